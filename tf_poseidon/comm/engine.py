@@ -1,0 +1,216 @@
+"""The communication engine: the one thread per process that owns MPI.
+
+TensorFlow runs independent graph ops concurrently on its inter-op threads, so the order in
+which gradients become ready differs between ranks. MPI collectives, however, must be posted in
+the same order on every rank. The engine reconciles the two:
+
+* Graph ops (see :mod:`tf_poseidon.comm.graph_ops`) hand it *bucket payloads* as soon as they
+  exist, without waiting (:meth:`CommEngine.submit`).
+* The engine posts them in a canonical order that is the same on every rank: *group instances*
+  in the order their first payload arrived, and within a group instance, buckets in index
+  order (bucket 0 first). A group instance is one execution of a traced collective call (one
+  training step's gradient reduction, one metric reduction, ...).
+* Results are delivered per (group, bucket) in FIFO order to whoever waits for them
+  (:meth:`CollectiveGroup.wait_result`).
+
+Why the group order is the same on every rank: a group's payloads are submitted only after all
+payloads of the previous group of the same graph were submitted (graph_ops chains them), graphs
+run one at a time, and eager calls are sequential. The engine never reorders across groups.
+
+Control-plane work (the initial broadcast, descriptor checks, eager reductions) goes through the
+same queue with :meth:`CommEngine.call`, so it, too, is ordered with the data plane.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from tf_poseidon.comm import stats as stats_lib
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def collective_timeout_s() -> float:
+    """Seconds any wait for a peer may last before failing (env ``TF_POSEIDON_TIMEOUT``)."""
+    return float(os.environ.get("TF_POSEIDON_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the timeout: a peer died, hung, or diverged."""
+
+
+class CollectiveGroup:
+    """The buckets of one traced collective call, and their result queues.
+
+    Created at trace time (one per ``all_reduce``/``gather`` call site of a traced function)
+    and on every eager call. ``run_bucket(comm, index, payload) -> np.ndarray`` is the
+    collective for one bucket; it is called on the engine thread only.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, name: str, num_buckets: int,
+                 run_bucket: Callable[[Any, int, np.ndarray], np.ndarray]):
+        self.id = next(self._ids)
+        self.name = name
+        self.num_buckets = num_buckets
+        self.run_bucket = run_bucket
+        self._results = [queue.SimpleQueue() for _ in range(num_buckets)]
+        self._arrivals = [0] * num_buckets
+        self._instances_started = 0
+
+    def __repr__(self) -> str:
+        return f"CollectiveGroup({self.name!r}, id={self.id}, buckets={self.num_buckets})"
+
+    def wait_result(self, index: int, timeout_s: float | None = None) -> np.ndarray:
+        """Blocks the calling thread until bucket ``index``'s next result is there.
+
+        Called from graph ops (any thread but the engine's). Raises CollectiveTimeoutError
+        after ``timeout_s`` (default: :func:`collective_timeout_s`), or re-raises the error
+        the engine met while running this bucket.
+        """
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        try:
+            result = self._results[index].get(timeout=timeout_s)
+        except queue.Empty:
+            raise CollectiveTimeoutError(
+                f"tf_poseidon: bucket {index} of collective {self.name!r} did not complete "
+                f"within {timeout_s:.0f} s. A peer rank has died, hangs, or runs a different "
+                "program (different models or a different number of steps). Set "
+                "TF_POSEIDON_TIMEOUT to wait longer.") from None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
+@dataclasses.dataclass
+class _BucketJob:
+    group: CollectiveGroup
+    index: int
+    payload: np.ndarray
+    submitted_at: float
+
+
+@dataclasses.dataclass
+class _CallJob:
+    fn: Callable[[Any], Any]
+    done: threading.Event
+    result: Any = None
+
+
+class CommEngine:
+    """Owns the MPI communicator; runs every collective of this process on one thread.
+
+    One per process (see :func:`get_engine`). All methods may be called from any thread except
+    the engine's own.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.stats = stats_lib.CommStats()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="tf_poseidon-comm", daemon=True)
+        self._thread.start()
+
+    def submit(self, group: CollectiveGroup, index: int, payload: np.ndarray) -> None:
+        """Hands bucket ``index`` of ``group`` to the engine. Never blocks.
+
+        ``payload`` must not be modified by the caller afterwards.
+        """
+        self._jobs.put(_BucketJob(group, index, payload, time.perf_counter()))
+
+    def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """Runs ``fn(comm)`` on the engine thread after all work submitted before it.
+
+        Blocks the caller until it returns (at most ``timeout_s``, default
+        :func:`collective_timeout_s`); returns its result or re-raises its exception. Every
+        rank must make the same sequence of calls, like any MPI collective.
+        """
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        job = _CallJob(fn, threading.Event())
+        self._jobs.put(job)
+        if not job.done.wait(timeout_s):
+            raise CollectiveTimeoutError(
+                f"tf_poseidon: a control-plane collective ({getattr(fn, '__name__', fn)}) did "
+                f"not complete within {timeout_s:.0f} s; a peer rank has died, hangs, or runs "
+                "a different program. Set TF_POSEIDON_TIMEOUT to wait longer.")
+        if isinstance(job.result, BaseException):
+            raise job.result
+        return job.result
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # Payloads that arrived before their turn, keyed by (group id, instance, bucket).
+        stash: dict[tuple[int, int, int], _BucketJob] = {}
+        # Group instances in the order their first payload arrived: (group, instance number).
+        order: collections.deque[tuple[CollectiveGroup, int]] = collections.deque()
+        next_bucket = 0
+        while True:
+            # Post every bucket whose turn has come.
+            while order:
+                group, instance = order[0]
+                job = stash.pop((group.id, instance, next_bucket), None)
+                if job is None:
+                    break
+                self._run_bucket(job)
+                next_bucket += 1
+                if next_bucket == group.num_buckets:
+                    order.popleft()
+                    next_bucket = 0
+            job = self._jobs.get()
+            if isinstance(job, _CallJob):
+                self._run_call(job)
+                continue
+            group = job.group
+            instance = group._arrivals[job.index]
+            group._arrivals[job.index] += 1
+            if instance == group._instances_started:
+                group._instances_started += 1
+                order.append((group, instance))
+            stash[(group.id, instance, job.index)] = job
+
+    def _run_bucket(self, job: _BucketJob) -> None:
+        start = time.perf_counter()
+        try:
+            result = job.group.run_bucket(self.comm, job.index, job.payload)
+        except BaseException as e:  # delivered to the waiting graph op, which raises it
+            result = RuntimeError(f"tf_poseidon: collective {job.group.name!r} bucket "
+                                  f"{job.index} failed on rank {self.rank}: {e!r}")
+        end = time.perf_counter()
+        self.stats.record_bucket(job.group.name, job.index, job.payload.nbytes,
+                                 queued_at=job.submitted_at, start=start, end=end)
+        job.group._results[job.index].put(result)
+
+    def _run_call(self, job: _CallJob) -> None:
+        try:
+            job.result = job.fn(self.comm)
+        except BaseException as e:
+            job.result = e
+        job.done.set()
+
+
+_engine: CommEngine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> CommEngine:
+    """The process's engine, started on first use (initialises MPI). Only when size() > 1."""
+    global _engine
+    if _engine is None:
+        with _engine_lock:
+            if _engine is None:
+                from tf_poseidon import world
+                _engine = CommEngine(world.mpi_comm())
+    return _engine

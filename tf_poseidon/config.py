@@ -1,0 +1,75 @@
+"""The strategy's options: validated once, immutable afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("sync", "ssp", "easgd")
+COMPRESSIONS = ("none", "fp16", "bf16")
+SFB_CHOICES = ("auto", "always", "never")
+
+# Features that later work adds; until then asking for them raises NotImplementedError.
+_NOT_YET = {
+    ("mode", "ssp"): "stale synchronous parallel mode (mode='ssp')",
+    ("mode", "easgd"): "elastic averaging SGD (mode='easgd')",
+    ("compression", "fp16"): "fp16 compressed transport (compression='fp16')",
+    ("compression", "bf16"): "bf16 compressed transport (compression='bf16')",
+    ("sfb", "always"): "sufficient factor broadcasting (sfb='always')",
+}
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"PoseidonStrategy: {name}={value!r} is not valid; allowed values are "
+                         + ", ".join(repr(a) for a in allowed) + ".")
+    if (name, value) in _NOT_YET:
+        raise NotImplementedError(f"PoseidonStrategy: {_NOT_YET[(name, value)]} is not "
+                                  "implemented yet in this version of tf_poseidon.")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """Validated arguments of :class:`tf_poseidon.PoseidonStrategy` (see its docstring)."""
+
+    mode: str = "sync"
+    compression: str = "none"
+    sfb: str = "auto"
+    staleness: int = 0
+    tau: int = 1
+    alpha: float = 0.5
+    easgd_async: bool = False
+    bucket_bytes: int | None = None
+    overlap: bool = True
+
+    def __post_init__(self):
+        _choice("mode", self.mode, MODES)
+        _choice("compression", self.compression, COMPRESSIONS)
+        _choice("sfb", self.sfb, SFB_CHOICES)
+        if not _is_int(self.staleness) or self.staleness < 0:
+            raise ValueError(f"PoseidonStrategy: staleness={self.staleness!r} is not valid; "
+                             "it must be an integer >= 0 (0 = synchronous).")
+        if self.staleness > 0 and self.mode != "ssp":
+            raise ValueError(f"PoseidonStrategy: staleness={self.staleness} needs mode='ssp' "
+                             f"(mode is {self.mode!r}).")
+        if not _is_int(self.tau) or self.tau < 1:
+            raise ValueError(f"PoseidonStrategy: tau={self.tau!r} is not valid; the EASGD "
+                             "period must be an integer >= 1 (steps between elastic moves).")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"PoseidonStrategy: alpha={self.alpha!r} is not valid; the EASGD "
+                             "moving rate must be a number in (0, 1].")
+        if not isinstance(self.easgd_async, bool):
+            raise ValueError(f"PoseidonStrategy: easgd_async={self.easgd_async!r} is not "
+                             "valid; allowed values are True and False.")
+        if self.bucket_bytes is not None and (not _is_int(self.bucket_bytes)
+                                              or self.bucket_bytes < 1):
+            raise ValueError(f"PoseidonStrategy: bucket_bytes={self.bucket_bytes!r} is not "
+                             "valid; it must be None (the default) or a positive integer.")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"PoseidonStrategy: overlap={self.overlap!r} is not valid; "
+                             "allowed values are True and False.")

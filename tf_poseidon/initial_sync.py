@@ -1,0 +1,68 @@
+"""Before the first step: every rank checks it has the same variables, then takes rank 0's values.
+
+Ranks build their models independently (possibly with different seeds), so the initial values
+differ; rank 0's are broadcast once, in one message per dtype. A rank whose model differs
+(variable count, shape or dtype) would otherwise hang or corrupt the first all-reduce; the
+descriptions are compared first and every rank raises the same error naming the first mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_poseidon.comm.engine import CommEngine
+
+Description = tuple[str, tuple, str]
+
+
+def describe(variables: Sequence[tf.Variable]) -> list[Description]:
+    """(name, shape, dtype) of each variable, picklable."""
+    return [(v.name, tuple(v.shape.as_list()), v.dtype.name) for v in variables]
+
+
+def first_mismatch(per_rank: Sequence[Sequence[Description]]) -> str | None:
+    """A message naming the first difference between rank 0's descriptions and another's."""
+    reference = per_rank[0]
+    for rank, described in enumerate(per_rank[1:], start=1):
+        for position, (mine, theirs) in enumerate(zip(reference, described)):
+            if mine[1:] != theirs[1:]:
+                return (f"variable {position} differs between rank 0 ({mine[0]}: shape "
+                        f"{mine[1]}, {mine[2]}) and rank {rank} ({theirs[0]}: shape {theirs[1]}, "
+                        f"{theirs[2]})")
+        if len(described) != len(reference):
+            shorter, longer = sorted([(len(reference), 0), (len(described), rank)])
+            extra = (reference if longer[1] == 0 else described)[shorter[0]]
+            return (f"rank 0 has {len(reference)} variables and rank {rank} has "
+                    f"{len(described)}; the first one only rank {longer[1]} has is {extra[0]} "
+                    f"(shape {extra[1]}, {extra[2]})")
+    return None
+
+
+def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) -> None:
+    """Collective, eager, blocking: verifies ``variables`` match across ranks, then assigns
+    rank 0's values to every rank's variables.
+
+    Raises ValueError (on every rank) if the variables differ. Timeout: the engine's.
+    """
+    described = describe(variables)
+    per_rank = engine.call(lambda comm: comm.allgather(described))
+    mismatch = first_mismatch(per_rank)
+    if mismatch:
+        raise ValueError(
+            "tf_poseidon: the ranks built different models: " + mismatch + ". Every rank must "
+            "create the same variables in the same order under strategy.scope().")
+    by_dtype: dict[tf.DType, list[tf.Variable]] = {}
+    for v in variables:
+        by_dtype.setdefault(v.dtype, []).append(v)
+    for dtype, group in by_dtype.items():
+        buffer = np.concatenate([np.asarray(v.numpy()).ravel() for v in group]) \
+            if group else np.empty(0, dtype.as_numpy_dtype)
+        engine.call(lambda comm, b=buffer: comm.Bcast(b, root=0))
+        offset = 0
+        for v in group:
+            n = v.shape.num_elements()
+            v.assign(buffer[offset:offset + n].reshape(v.shape.as_list()))
+            offset += n

@@ -1,0 +1,109 @@
+"""The places where Keras 3 only knows TensorFlow's own strategies, taught about ours.
+
+Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
+multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
+three Keras functions; each wrapper acts only when the current strategy is a
+:class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
+original unchanged:
+
+* the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
+  strategy's synchronizer, so modes, buckets and batch-share weighting apply to gradients only;
+* ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
+  variables, so logs, progress bars and ``History`` show the global values one process would
+  show for the same global batch (true for every Keras metric whose state is a set of sums:
+  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...);
+* ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
+  order, which is input order (see data.py), so every rank returns predictions for the whole
+  input.
+
+``install`` is idempotent and is called when tf_poseidon is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from keras.src import tree
+from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.trainers import trainer as keras_trainer
+
+_installed = False
+
+
+def _poseidon_extended(strategy=None):
+    """``strategy``'s (default: the current strategy's) extended object if it is a
+    PoseidonStrategy spanning several ranks, else None."""
+    from tf_poseidon.strategy import PoseidonStrategy
+    strategy = strategy or tf.distribute.get_strategy()
+    if isinstance(strategy, PoseidonStrategy) and strategy.num_replicas_in_sync > 1:
+        return strategy.extended
+    return None
+
+
+def _wrap(owner, name: str, make_wrapper) -> None:
+    original = getattr(owner, name)
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    wrapper.__tf_poseidon_original__ = original
+    setattr(owner, name, wrapper)
+
+
+def _all_reduce_sum_gradients(original):
+    def wrapper(self, grads_and_vars):
+        extended = _poseidon_extended()
+        if extended is None or tf.distribute.get_replica_context() is None:
+            return original(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        reduced = extended.reduce_gradients([grads_and_vars[i][0] for i in present])
+        result = [(None, v) for _, v in grads_and_vars]
+        for i, g in zip(present, reduced):
+            result[i] = (g, grads_and_vars[i][1])
+        return result
+    return wrapper
+
+
+def _get_metrics_result(original):
+    def wrapper(self):
+        # Called in the train/test step (replica context) and eagerly at epoch ends by every
+        # rank alike, so both places reduce; the model's own strategy decides.
+        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
+        if extended is None:
+            return original(self)
+        metrics = list(self.metrics)
+        states = [[v.value for v in m.variables] for m in metrics]
+        flat = [s for state in states for s in state]
+        summed = iter(extended.all_reduce_metric_states(flat))
+        results = {}
+        for metric, state in zip(metrics, states):
+            value = metric.stateless_result([next(summed) for _ in state]) if state \
+                else metric.result()
+            if isinstance(value, dict):
+                results.update(value)
+            else:
+                results[metric.name] = value
+        return results
+    return wrapper
+
+
+def _reduce_per_replica(original):
+    def wrapper(values, strategy, reduction):
+        from tf_poseidon.strategy import PoseidonStrategy, gather_along
+        if (isinstance(strategy, PoseidonStrategy) and reduction == "concat"
+                and strategy.num_replicas_in_sync > 1):
+            engine = strategy.extended.engine
+            return tree.map_structure(lambda v: gather_along(engine, v, 0), values)
+        return original(values, strategy, reduction)
+    return wrapper
+
+
+def install() -> None:
+    """Installs the three wrappers described in the module docstring (once)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+    _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
+    _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)

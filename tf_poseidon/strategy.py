@@ -1,0 +1,299 @@
+"""PoseidonStrategy: a tf.distribute.Strategy with one replica per process, over MPI.
+
+Contract in brief (details on each method):
+
+* One replica per process; ``num_replicas_in_sync`` is the number of processes P, and the
+  replica id in a replica context is the process's rank.
+* Variables are created locally on every rank; before the first step, rank 0's values are
+  broadcast (initial_sync.py).
+* ``experimental_distribute_dataset`` takes a dataset of *global* batches and gives each rank
+  its slice (data.py); ``distribute_datasets_from_function`` calls the function once per
+  process with an InputContext naming this rank.
+* ``run`` calls the function in a replica context on this process's device and returns this
+  replica's results (plain tensors, not PerReplica: there is one local replica).
+* Gradients the Keras optimizer applies go through the mode's synchronizer (sync/); other
+  replica-context all-reduces and cross-replica ``reduce``/``gather`` are exact collectives
+  over all ranks. All of them run through the process's communication engine (comm/).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.distribute import reduce_util
+
+from tf_poseidon import data as data_lib
+from tf_poseidon import initial_sync
+from tf_poseidon import world as world_lib
+from tf_poseidon.comm import buckets as buckets_lib
+from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.comm.engine import get_engine
+from tf_poseidon.config import StrategyConfig
+from tf_poseidon.sync.bsp import BSPSynchronizer
+
+
+class PoseidonStrategy(distribute_lib.Strategy):
+    """Data-parallel training across processes launched by MPI (or a single process).
+
+    ```python
+    strategy = tp.PoseidonStrategy()
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=5)
+    ```
+
+    Args:
+      mode: "sync" (bulk synchronous: every rank applies the sum of all gradients each step),
+        "ssp" (stale synchronous parallel, bounded by ``staleness``) or "easgd" (elastic
+        averaging SGD with period ``tau`` and moving rate ``alpha``).
+      compression: wire format of gradients: "none" (float32), "fp16" or "bf16".
+      sfb: sufficient factor broadcasting for Dense layers: "auto" (cost model decides per
+        layer), "always" (every eligible layer), "never".
+      staleness: SSP bound s ≥ 0 (mode="ssp" only); 0 is sync.
+      tau: EASGD period in steps, ≥ 1.
+      alpha: EASGD moving rate in (0, 1].
+      easgd_async: asynchronous EASGD (a center holder) instead of the synchronous form.
+      bucket_bytes: cap on a gradient bucket's size in bytes; None picks the default.
+      overlap: communicate each bucket as soon as its gradients exist (wait-free backprop);
+        False sends everything after the backward pass (the naive baseline).
+
+    Raises:
+      ValueError: an argument has an invalid value (the message names it and what is allowed).
+      NotImplementedError: the option names a feature this version does not have yet.
+      tf_poseidon.world.WorldError: the launcher's environment describes no usable world.
+    """
+
+    def __init__(self, mode: str = "sync", compression: str = "none", sfb: str = "auto",
+                 staleness: int = 0, tau: int = 1, alpha: float = 0.5,
+                 easgd_async: bool = False, bucket_bytes: int | None = None,
+                 overlap: bool = True):
+        config = StrategyConfig(mode=mode, compression=compression, sfb=sfb,
+                                staleness=staleness, tau=tau, alpha=alpha,
+                                easgd_async=easgd_async, bucket_bytes=bucket_bytes,
+                                overlap=overlap)
+        super().__init__(PoseidonExtended(self, config))
+        distribute_lib.distribution_strategy_gauge.get_cell("V2").set("PoseidonStrategy")
+        _log_on_chief_only()
+
+    @property
+    def config(self) -> StrategyConfig:
+        """The validated options this strategy was built with."""
+        return self.extended.config
+
+    def __deepcopy__(self, memo):
+        # Keras and tf.function may deep-copy objects holding the strategy; it is a singleton
+        # per process resource (the engine), so a copy is the same object.
+        memo[id(self)] = self
+        return self
+
+
+def _log_on_chief_only() -> None:
+    """Keras progress bars and logs print on rank 0 only, unless TF_POSEIDON_LOG_ALL_RANKS=1."""
+    if not world_lib.is_chief() and os.environ.get("TF_POSEIDON_LOG_ALL_RANKS") != "1":
+        import keras
+        keras.config.disable_interactive_logging()
+
+
+class _ReplicaScope(threading.local):
+    """What ``run`` knows about the replica function being run on this thread."""
+
+    local_batch: tf.Tensor | None = None
+    depth: int = 0
+
+
+class PoseidonExtended(one_device_strategy.OneDeviceExtended):
+    """The implementation behind :class:`PoseidonStrategy` (``strategy.extended``)."""
+
+    def __init__(self, container_strategy: PoseidonStrategy, config: StrategyConfig):
+        device = "/device:GPU:0" if tf.config.list_logical_devices("GPU") else "/device:CPU:0"
+        super().__init__(container_strategy, device)
+        self.config = config
+        self._world = world_lib.world()
+        self._variables: list[tf.Variable] = []
+        self._num_synced = 0
+        self._replica_scope = _ReplicaScope()
+        self._synchronizer = None
+
+    # -- world --------------------------------------------------------------------------
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        return self._world.size
+
+    def _use_merge_call(self) -> bool:
+        return False
+
+    @property
+    def _distributed(self) -> bool:
+        return self._world.size > 1
+
+    @property
+    def engine(self):
+        """The process's communication engine (started on first use; only when P > 1)."""
+        return get_engine()
+
+    @property
+    def synchronizer(self):
+        if self._synchronizer is None:
+            self._synchronizer = BSPSynchronizer(self.engine, self.config)
+        return self._synchronizer
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Only the chief (rank 0) writes checkpoints."""
+        return self._world.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        return self._world.is_chief
+
+    # -- variables ----------------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        variable = super()._create_variable(next_creator, **kwargs)
+        # Variables created inside a replica function (optimizer slots a custom loop creates
+        # in its first step) start equal on every rank by construction; only those created
+        # outside are broadcast from rank 0.
+        if not self._replica_scope.depth:
+            self._variables.append(variable)
+        return variable
+
+    def _sync_new_variables(self) -> None:
+        """Collective: checks and broadcasts the variables created since the last call."""
+        if not self._distributed or self._num_synced == len(self._variables):
+            return
+        new = self._variables[self._num_synced:]
+        with tf.init_scope():
+            initial_sync.check_and_broadcast(self.engine, new)
+        self._num_synced = len(self._variables)
+
+    # -- replicas -----------------------------------------------------------------------
+
+    def _call_for_each_replica(self, fn: Callable, args: Sequence, kwargs: dict | None):
+        """Runs ``fn(*args, **kwargs)`` as this process's replica; returns its local results.
+
+        Before the first replica function (and whenever variables were created since), the
+        ranks' variables are checked and rank 0's values broadcast: a blocking collective.
+        """
+        self._sync_new_variables()
+        strategy = self._container_strategy()
+        scope = self._replica_scope
+        outer_batch = scope.local_batch
+        scope.local_batch = data_lib.batch_size_of((args, kwargs or {}))
+        scope.depth += 1
+        try:
+            with tf.device(self._device), _PoseidonReplicaContext(strategy, self._world.rank):
+                return fn(*args, **(kwargs or {}))
+        finally:
+            scope.depth -= 1
+            scope.local_batch = outer_batch
+
+    def reduce_gradients(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Replica context: the gradients every rank applies, per the strategy's mode.
+
+        Called by the Keras optimizer integration with the local gradients (dense, static
+        shapes). In sync mode: Σ_p g_p, weighted by batch share on uneven batches.
+        """
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        if not self._distributed:
+            return grads
+        return self.synchronizer.reduce_gradients(grads, self._world.size,
+                                                  self._replica_scope.local_batch)
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""
+        del options
+        flat = [tf.convert_to_tensor(v) for v in value]
+        return self._all_reduce_exact(reduce_op, flat, name="all_reduce")
+
+    def all_reduce_metric_states(self, states: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Replica context: the sum over ranks of each metric state tensor (exact, unweighted)."""
+        return self._all_reduce_exact(reduce_util.ReduceOp.SUM,
+                                      [tf.convert_to_tensor(s) for s in states], name="metrics")
+
+    def _all_reduce_exact(self, reduce_op: reduce_util.ReduceOp, flat: list[tf.Tensor],
+                          name: str) -> list[tf.Tensor]:
+        if not self._distributed or not flat:
+            return list(flat)
+        plan = buckets_lib.plan_buckets(flat, backprop_order=False,
+                                        first_bucket_bytes=buckets_lib.DEFAULT_BUCKET_BYTES)
+        summed = graph_ops.bucketed_collective(self.engine, name, flat, plan,
+                                               collectives.allreduce_sum)
+        if reduce_op == reduce_util.ReduceOp.MEAN:
+            summed = [s / tf.cast(self._world.size, s.dtype) for s in summed]
+        return summed
+
+    # -- cross-replica ------------------------------------------------------------------
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        """Cross-replica: SUM or MEAN of this rank's ``value`` over all ranks (every rank gets it)."""
+        del destinations, options
+        if isinstance(value, (int, float)):
+            value = tf.constant(value)
+        tensor = tf.convert_to_tensor(value)
+        return self._all_reduce_exact(reduce_op, [tensor], name="reduce")[0]
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        """Cross-replica: every rank's ``value`` concatenated along ``axis`` in rank order."""
+        del destinations, options
+        tensor = tf.convert_to_tensor(value)
+        if not self._distributed:
+            return tensor
+        return gather_along(self.engine, tensor, axis)
+
+    # -- input --------------------------------------------------------------------------
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        del options
+        return data_lib.distribute_global_batches(dataset, self._world.rank, self._world.size)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        del options
+        context = distribute_lib.InputContext(num_input_pipelines=self._world.size,
+                                              input_pipeline_id=self._world.rank,
+                                              num_replicas_in_sync=self._world.size)
+        return dataset_fn(context)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(distribute_lib.ValueContext(self._world.rank, self._world.size))
+
+
+def gather_along(engine, tensor: tf.Tensor, axis: int) -> tf.Tensor:
+    """Every rank's ``tensor`` concatenated along ``axis`` in rank order (collective)."""
+    rank = tensor.shape.rank
+    if not rank:
+        tensor, axis, rank = tf.reshape(tensor, [1]), 0, 1
+    axis = axis % rank
+    perm = [axis] + [d for d in range(rank) if d != axis]
+    moved = tf.transpose(tensor, perm) if axis else tensor
+    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.allgather_concat)
+    if not axis:
+        return gathered
+    inverse = [perm.index(d) for d in range(rank)]
+    return tf.transpose(gathered, inverse)
+
+
+class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
+    """The replica context ``run`` enters: replica id = rank, all-gather over the engine."""
+
+    def __init__(self, strategy: PoseidonStrategy, rank: int):
+        super().__init__(strategy, replica_id_in_sync_group=rank)
+
+    @property
+    def devices(self):
+        return self._strategy.extended.worker_devices
+
+    def all_gather(self, value, axis, options=None):
+        """Every rank's ``value`` (nested) concatenated along ``axis`` in rank order."""
+        del options
+        extended = self._strategy.extended
+        if not extended._distributed:
+            return value
+        return tf.nest.map_structure(
+            lambda v: gather_along(extended.engine, tf.convert_to_tensor(v), axis), value)
