@@ -1,0 +1,192 @@
+"""tfposeidon-run: argument parsing, the mpirun command it builds, host checks, real runs."""
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tf_poseidon import launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plan(*argv, environ=None):
+    args = launcher.make_parser().parse_args(list(argv))
+    return launcher.plan(args, {"PATH": "/usr/bin"} if environ is None else environ)
+
+
+def mca(argv, name):
+    """The value of `--mca name value` in argv, or None."""
+    for flag, key, value in zip(argv, argv[1:], argv[2:]):
+        if flag == "--mca" and key == name:
+            return value
+    return None
+
+
+def test_local_run_command():
+    p = plan("-np", "2", "python", "train.py", "--epochs", "3")
+    assert p.argv[0] == launcher.find_mpirun()
+    assert p.argv[-3:] == ["train.py", "--epochs", "3"] and p.argv[-4] == "python"
+    assert p.argv[p.argv.index("-np") + 1] == "2"
+    assert p.argv[p.argv.index("--bind-to") + 1] == "none"
+    assert mca(p.argv, "mpi_yield_when_idle") == "1"
+    assert "-H" not in p.argv and mca(p.argv, "btl") is None  # local: Open MPI's defaults
+    assert p.remote_hosts == []
+
+
+def test_mpirun_is_this_environments():
+    assert os.path.dirname(launcher.find_mpirun()) == os.path.dirname(sys.executable)
+
+
+def test_two_machines_over_ssh():
+    p = plan("-np", "4", "-H", "server1:2,server2:2", "-p", "2222", "-i", "/k/id",
+             "--start-timeout", "12", "--network-interfaces", "eth1", "python", "train.py")
+    assert p.argv[p.argv.index("-H") + 1] == "server1:2,server2:2"
+    assert mca(p.argv, "pml") == "ob1" and mca(p.argv, "btl") == "self,sm,tcp"
+    assert mca(p.argv, "btl_tcp_if_include") == "eth1"
+    assert mca(p.argv, "oob_tcp_if_include") == "eth1"
+    ssh = shlex.split(mca(p.argv, "plm_rsh_args"))
+    assert ssh == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=12", "-p", "2222", "-i", "/k/id"]
+    assert p.remote_hosts == ["server1", "server2"]
+    assert p.agent == ["ssh", *ssh] and p.start_timeout == 12
+    assert p.argv[-2:] == ["python", "train.py"]
+
+
+def test_hostfile(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the cluster\nserver1 slots=4\n\nserver2   slots=2  # small\nserver3\n")
+    assert launcher.parse_hostfile(str(hostfile)) == [
+        launcher.Host("server1", 4), launcher.Host("server2", 2), launcher.Host("server3", 1)]
+    p = plan("--hostfile", str(hostfile), "python", "train.py")
+    assert p.argv[p.argv.index("-np") + 1] == "7"  # default -np: all slots
+    assert p.argv[p.argv.index("-H") + 1] == "server1:4,server2:2,server3:1"
+    hostfile.write_text("server1 slots=4\nserver2 max_slots=2\n")
+    with pytest.raises(launcher.LaunchError, match=r"hosts:2: expected `host slots=N`"):
+        launcher.parse_hostfile(str(hostfile))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "5", "-H", "a:2,b:2", "python", "x.py"], "more than the 4 slots"),
+    (["python", "x.py"], "give the number of processes"),
+    (["-np", "2"], "no command given"),
+    (["-H", "a:0", "python", "x.py"], "slots must be a positive integer"),
+    (["-np", "2", "--start-timeout", "0", "python", "x.py"], "start-timeout must be positive"),
+])
+def test_bad_command_lines(argv, message):
+    with pytest.raises(launcher.LaunchError, match=message):
+        plan(*argv)
+
+
+def test_bad_command_line_exit_status(capsys):
+    assert launcher.main(["python", "x.py"]) == 2
+    assert "give the number of processes with -np N" in capsys.readouterr().err
+
+
+def test_oversubscribe_only_when_more_ranks_than_cores(monkeypatch):
+    monkeypatch.setattr(launcher, "_physical_cores", lambda: 2)
+    assert "--oversubscribe" not in plan("-np", "2", "python", "x.py").argv
+    assert "--oversubscribe" in plan("-np", "3", "python", "x.py").argv
+    # With hosts, the slots given are what Open MPI fills; more ranks than slots is an error.
+    assert "--oversubscribe" not in plan("-np", "8", "-H", "a:8", "python", "x.py").argv
+
+
+def test_root_and_non_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    p = plan("-np", "2", "python", "x.py")
+    assert "--allow-run-as-root" in p.argv
+    assert p.env["OMPI_ALLOW_RUN_AS_ROOT"] == p.env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    p = plan("-np", "2", "python", "x.py")
+    assert "--allow-run-as-root" not in p.argv and "OMPI_ALLOW_RUN_AS_ROOT" not in p.env
+
+
+def test_environment_forwarding_and_timeline(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    environ = {"PATH": "/usr/bin", "PYTHONPATH": "/src", "TF_CPP_MIN_LOG_LEVEL": "2",
+               "TF_POSEIDON_INTRA_THREADS": "1", "OMPI_MCA_btl_tcp_if_exclude": "docker0",
+               "CUDA_VISIBLE_DEVICES": "0", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x"}
+    p = plan("-np", "2", "--timeline-filename", "tl.json", "python", "x.py", environ=environ)
+    forwarded = {p.argv[i + 1] for i, a in enumerate(p.argv) if a == "-x"}
+    assert forwarded == {"PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_POSEIDON_INTRA_THREADS",
+                         "OMPI_MCA_btl_tcp_if_exclude", "CUDA_VISIBLE_DEVICES",
+                         "TF_POSEIDON_TIMELINE"}
+    assert p.env["TF_POSEIDON_TIMELINE"] == str(tmp_path / "tl.json")
+    # The ranks' `python` is the launcher's own.
+    assert p.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+
+
+def test_custom_agent_and_extra_mpi_args():
+    p = plan("-np", "2", "-H", "host0:1,host1:1", "--mpi-args",
+             "--mca plm_rsh_agent '/run/x/agent.sh' --report-bindings",
+             "--", "python", "-c", "print(1)")
+    assert p.agent == ["/run/x/agent.sh"] and mca(p.argv, "plm_rsh_args") is None
+    tail = p.argv[p.argv.index("--report-bindings"):]
+    assert tail == ["--report-bindings", "python", "-c", "print(1)"]
+
+
+def test_dry_run_prints_the_command(capsys):
+    assert launcher.main(["-np", "3", "--dry-run", "python", "train.py"]) == 0
+    printed = shlex.split(capsys.readouterr().out.strip())
+    assert printed[0] == launcher.find_mpirun() and printed[-2:] == ["python", "train.py"]
+
+
+def test_reachability_check_names_failing_and_silent_hosts():
+    agent = ["sh", "-c", 'case "$0" in good*) exit 0 ;; slow) sleep 20 ;; '
+             '*) echo "no route to $0" >&2; exit 255 ;; esac']
+    start = time.monotonic()
+    failures = launcher.check_reachable(["good1", "bad", "slow", "good2"], agent, timeout=1.5)
+    assert time.monotonic() - start < 5
+    assert len(failures) == 2
+    assert failures[0].startswith("bad:") and "no route to bad" in failures[0]
+    assert failures[1].startswith("slow: no answer within the start timeout (1.5 s)")
+
+
+def test_unreachable_host_prevents_launch(tmp_path, capsys):
+    agent = tmp_path / "agent.sh"
+    agent.write_text("#!/bin/sh\necho \"ssh: connect to host $1: Connection refused\" >&2\n"
+                     "exit 255\n")
+    agent.chmod(0o755)
+    code = launcher.main(["-np", "2", "-H", "nosuchhost1:1,nosuchhost2:1", "--mpi-args",
+                          f"--mca plm_rsh_agent {agent}", "python", "-c", "print(1)"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "cannot reach every host" in err and "nosuchhost2: `" in err
+    assert "Connection refused" in err
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import importlib.util, sys
+    # world.py loaded on its own: importing the tf_poseidon package would load TensorFlow.
+    spec = importlib.util.spec_from_file_location("world_only", {world!r})
+    world = importlib.util.module_from_spec(spec)
+    sys.modules["world_only"] = world
+    spec.loader.exec_module(world)
+    w = world.detect_world()
+    print(f"rank {{w.rank}} of {{w.size}} local {{w.local_rank}}/{{w.local_size}} {{w.launcher}}",
+          flush=True)
+    sys.exit({exit_code} if w.rank == 1 else 0)
+""")
+
+
+def rank_script(exit_code=0):
+    return RANK_SCRIPT.format(world=os.path.join(ROOT, "tf_poseidon", "world.py"),
+                              exit_code=exit_code)
+
+
+def test_real_local_run_prints_ranks():
+    done = subprocess.run([sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--verbose",
+                           "python", "-c", rank_script()],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "--bind-to none" in lines[0]  # --verbose: the mpirun command comes first
+    assert sorted(l for l in lines if l.startswith("rank")) == [
+        "rank 0 of 2 local 0/2 openmpi", "rank 1 of 2 local 1/2 openmpi"]
+
+
+def test_failing_rank_fails_the_launch(capfd):
+    assert launcher.main(["-np", "2", sys.executable, "-c", rank_script(exit_code=3)]) != 0
