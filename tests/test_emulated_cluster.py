@@ -63,7 +63,8 @@ def test_two_hosts_allreduce_via_launcher_then_link_cut_and_clean_teardown(scrip
 
         cluster.cut_link("host1")
         done = cluster.run([*cluster.mpirun_args(), sys.executable, script], timeout=30)
-        assert done.returncode != 0 and "host1" in done.stderr  # its daemon cannot call back
+        # host1's daemon cannot call mpirun back: the launch fails at once, naming it
+        assert done.returncode != 0 and "Remote host:   host1" in done.stdout + done.stderr
         assert prefix + "-sw" in netns.list_namespaces()
     assert leftovers(prefix) == []
     assert root_links() == links_before  # nothing was ever added to the root namespace
