@@ -2,12 +2,17 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-three Keras functions; each wrapper acts only when the current strategy is a
+four Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
 * the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
-  strategy's synchronizer, so modes, buckets and batch-share weighting apply to gradients only;
+  strategy's synchronizer, so modes and buckets apply to gradients only;
+* ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (sync/batch_share.py):
+  Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
+  only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
+  keep the TensorFlow convention instead (``tf.nn.compute_average_loss(per_example_loss,
+  global_batch_size=B)`` is exact as it is) and get plain sums;
 * ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
   variables, so logs, progress bars and ``History`` show the global values one process would
   show for the same global batch (true for every Keras metric whose state is a set of sums:
@@ -64,6 +69,16 @@ def _all_reduce_sum_gradients(original):
     return wrapper
 
 
+def _train_step(original):
+    def wrapper(self, data):
+        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
+        if extended is None:
+            return original(self, data)
+        with extended.batch_share_weighting():
+            return original(self, data)
+    return wrapper
+
+
 def _get_metrics_result(original):
     def wrapper(self):
         # Called in the train/test step (replica context) and eagerly at epoch ends by every
@@ -99,11 +114,12 @@ def _reduce_per_replica(original):
 
 
 def install() -> None:
-    """Installs the three wrappers described in the module docstring (once)."""
+    """Installs the four wrappers described in the module docstring (once)."""
     global _installed
     if _installed:
         return
     _installed = True
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)

@@ -18,6 +18,7 @@ Contract in brief (details on each method):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Callable, Sequence
@@ -104,6 +105,7 @@ class _ReplicaScope(threading.local):
     """What ``run`` knows about the replica function being run on this thread."""
 
     local_batch: tf.Tensor | None = None
+    weight_by_batch_share: bool = False
     depth: int = 0
 
 
@@ -194,17 +196,33 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             scope.depth -= 1
             scope.local_batch = outer_batch
 
+    @contextlib.contextmanager
+    def batch_share_weighting(self):
+        """Within it, gradient reductions weight each rank by its share of the global batch.
+
+        Entered around Keras' ``train_step`` (keras_integration.py), whose loss is a mean over
+        the local batch; see sync/batch_share.py.
+        """
+        scope = self._replica_scope
+        outer, scope.weight_by_batch_share = scope.weight_by_batch_share, True
+        try:
+            yield
+        finally:
+            scope.weight_by_batch_share = outer
+
     def reduce_gradients(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """Replica context: the gradients every rank applies, per the strategy's mode.
 
         Called by the Keras optimizer integration with the local gradients (dense, static
-        shapes). In sync mode: Σ_p g_p, weighted by batch share on uneven batches.
+        shapes). In sync mode: Σ_p g_p (weighted by batch share inside
+        :meth:`batch_share_weighting`).
         """
         grads = [tf.convert_to_tensor(g) for g in grads]
         if not self._distributed:
             return grads
-        return self.synchronizer.reduce_gradients(grads, self._world.size,
-                                                  self._replica_scope.local_batch)
+        scope = self._replica_scope
+        local_batch = scope.local_batch if scope.weight_by_batch_share else None
+        return self.synchronizer.reduce_gradients(grads, self._world.size, local_batch)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""

@@ -53,6 +53,9 @@ class World:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise WorldError(f"{name} is not set although other variables of the same launcher "
+                         "are; the launcher's environment is malformed.")
     value = env[name]
     try:
         return int(value)

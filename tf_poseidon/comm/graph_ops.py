@@ -2,22 +2,27 @@
 
 Per bucket, two ops:
 
-* ``enqueue``: a stateless, non-blocking op. It runs as soon as the bucket's tensors exist,
-  copies them into one payload, hands it to the engine and returns a scalar int64 *token*.
+* ``enqueue``: a non-blocking op. It runs as soon as the bucket's tensors exist (and the
+  previous bucket was handed over), copies them into one payload, hands it to the engine and
+  returns a scalar int64 *token*.
 * ``collect``: takes *all* tokens of the group as inputs and blocks until the bucket's result
   is there. Because it depends on every token, no inter-op thread blocks before the whole
   group has been handed over — otherwise, with only as many inter-op threads as cores, a rank
   could wait on itself. Its output is the flat reduced payload.
 
-There is deliberately no data or control dependency from one bucket's enqueue to another's, so
-TensorFlow runs each as early as its gradients allow (overlap with the rest of backprop). Only
-successive *groups* in one graph are chained (a group's enqueues wait for the previous group's
-tokens), which is what keeps the group order identical on every rank (see engine.py).
+Both are *stateful* ``numpy_function`` ops, so tf.function's automatic control dependencies run
+them in creation order. We create them in posting order — a group's enqueues bucket 0 first
+(the last layer's gradients, which backprop produces first), then its collects — so the chain
+never delays a bucket behind one that becomes ready later, and successive collective calls of one
+function (gradients, then metrics, then a user's reduce) reach the engine in the same order on
+every rank, even across nested functions and conditionals, which are stateful call ops chained
+the same way. (Stateless ops would also let grappler constant-fold an enqueue whose inputs are
+constant, e.g. on an empty batch.) Nothing links a bucket's enqueue to the backward pass of
+earlier layers, so communication of bucket k overlaps backprop of the layers below it.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -26,62 +31,33 @@ import tensorflow as tf
 from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import engine as engine_lib
 
-# Tokens of the last group traced in each graph; the next group there is chained after them.
-_last_tokens: "weakref.WeakKeyDictionary[tf.Graph, list[tf.Tensor]]" = weakref.WeakKeyDictionary()
 
-
-def _chain_after_previous_group(tokens: list[tf.Tensor] | None) -> list[tf.Tensor]:
-    """Returns the previous group's tokens in the current graph and records ``tokens``."""
-    if tf.executing_eagerly():
-        return []
-    graph = tf.compat.v1.get_default_graph()
-    previous = _last_tokens.get(graph, [])
-    if tokens is not None:
-        _last_tokens[graph] = tokens
-    return previous
-
-
-def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup,
-             bucket: buckets_lib.Bucket, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-    dtype = bucket.payload_dtype
-
+def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
+             tensors: Sequence[tf.Tensor], payload_dtype: np.dtype) -> tf.Tensor:
     def hand_over(*arrays: np.ndarray) -> np.int64:
-        payload = np.empty(bucket.num_elements, dtype)
-        offset = 0
-        for array in arrays:
-            payload[offset:offset + array.size] = array.ravel()
-            offset += array.size
-        engine.submit(group, bucket.index, payload)
-        return np.int64(bucket.index)
+        # A copy: TensorFlow may reuse the arrays' memory once this op returns.
+        payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays])
+        engine.submit(group, index, payload)
+        return np.int64(index)
 
-    token = tf.numpy_function(hand_over, list(tensors), tf.int64, stateful=False,
-                              name=f"tp_enqueue_{group.name}_{bucket.index}")
+    token = tf.numpy_function(hand_over, list(tensors), tf.int64, stateful=True,
+                              name=f"tp_enqueue_{group.name}_{index}")
     token.set_shape([])
     return token
 
 
-def _collect(group: engine_lib.CollectiveGroup, bucket: buckets_lib.Bucket,
-             tokens: Sequence[tf.Tensor], num_elements: int | None) -> tf.Tensor:
+def _collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
+             payload_dtype: np.dtype, num_elements: int | None) -> tf.Tensor:
     def wait(*_tokens: np.int64) -> np.ndarray:
-        return group.wait_result(bucket.index)
+        return group.wait_result(index)
 
-    flat = tf.numpy_function(wait, list(tokens), tf.as_dtype(bucket.payload_dtype),
-                             stateful=False, name=f"tp_collect_{group.name}_{bucket.index}")
+    flat = tf.numpy_function(wait, list(tokens), tf.as_dtype(payload_dtype), stateful=True,
+                             name=f"tp_collect_{group.name}_{index}")
     flat.set_shape([num_elements])
     return flat
 
 
 RunBucket = Callable[[object, int, np.ndarray], np.ndarray]
-
-
-def _enqueue_group(engine, name, values, plan, run_bucket, wait_for):
-    group = engine_lib.CollectiveGroup(name, len(plan), run_bucket)
-    previous = _chain_after_previous_group(None)
-    with tf.control_dependencies(list(previous) + list(wait_for)):
-        tokens = [_enqueue(engine, group, bucket, [values[i] for i in bucket.members])
-                  for bucket in plan]
-    _chain_after_previous_group(tokens)
-    return group, tokens
 
 
 def bucketed_collective(engine: engine_lib.CommEngine, name: str,
@@ -104,10 +80,13 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
       One tensor per value, same shape and dtype, holding that value's part of the results.
       Works eagerly (blocks until done) and in graphs (the collect ops block when run).
     """
-    group, tokens = _enqueue_group(engine, name, values, plan, run_bucket, wait_for)
+    group = engine_lib.CollectiveGroup(name, len(plan), run_bucket)
+    with tf.control_dependencies(list(wait_for)):
+        tokens = [_enqueue(engine, group, b.index, [values[i] for i in b.members],
+                           b.payload_dtype) for b in plan]
     results: list[tf.Tensor | None] = [None] * len(values)
     for bucket in plan:
-        flat = _collect(group, bucket, tokens, bucket.num_elements)
+        flat = _collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.num_elements)
         pieces = tf.split(flat, list(bucket.sizes)) if len(bucket.members) > 1 else [flat]
         for position, piece in zip(bucket.members, pieces):
             value = values[position]
@@ -125,17 +104,8 @@ def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
     inner = value.shape[1:]
     if not inner.is_fully_defined():
         raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got {value.shape}.")
-    bucket = buckets_lib.Bucket(0, (0,), (0,), np.dtype(value.dtype.as_numpy_dtype))
+    dtype = np.dtype(value.dtype.as_numpy_dtype)
     group = engine_lib.CollectiveGroup(name, 1, run_bucket)
-    previous = _chain_after_previous_group(None)
-
-    def hand_over(array: np.ndarray) -> np.int64:
-        engine.submit(group, 0, np.array(array, copy=True).ravel())
-        return np.int64(0)
-
-    with tf.control_dependencies(previous):
-        token = tf.numpy_function(hand_over, [value], tf.int64, stateful=False,
-                                  name=f"tp_enqueue_{name}")
-    _chain_after_previous_group([token])
-    flat = _collect(group, bucket, [token], None)
+    token = _enqueue(engine, group, 0, [value], dtype)
+    flat = _collect(group, 0, [token], dtype, None)
     return tf.reshape(flat, [-1] + inner.as_list())

@@ -4,9 +4,10 @@
 
     python -m tf_poseidon.testing.allreduce_bench --bandwidth 1gbit 10gbit none
 
-builds a 2-host :class:`EmulatedCluster` per bandwidth ("none": unshaped), runs this module
-under ``mpirun`` across it (``--worker``), and prints per bandwidth the time of a 64 MB
-float32 ``Allreduce`` and of a 1 KB one. Blocks for the runs; each has a timeout.
+builds a 2-host :class:`EmulatedCluster` (``--loopback``: a :class:`ShapedLoopback` with 2
+ranks) per bandwidth ("none": unshaped), runs this module under ``mpirun`` on it
+(``--worker``), and prints per bandwidth the time of a 64 MB float32 ``Allreduce`` (slowest
+rank, median and best of ``--big-repeats``) and of a 1 KB one. Blocks for the runs; each has a timeout.
 """
 
 from __future__ import annotations
@@ -63,21 +64,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tf_poseidon.testing.allreduce_bench")
     parser.add_argument("--bandwidth", nargs="+", default=["1gbit", "10gbit", "none"])
     parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--loopback", action="store_true",
+                        help="2 ranks on one shaped loopback (ShapedLoopback) instead of hosts")
     parser.add_argument("--big-repeats", type=int, default=5)
     parser.add_argument("--small-repeats", type=int, default=500)
     parser.add_argument("--mpi-args", default="", help="extra mpirun arguments")
+    parser.add_argument("--bind-to", default="none",
+                        help="mpirun's --bind-to (Open MPI's own default binds to cores)")
     parser.add_argument("--timeout", type=float, default=300.0, help="per bandwidth, seconds")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.big_repeats, args.small_repeats)
         return 0
-    from tf_poseidon.testing.emulated_cluster import EmulatedCluster
+    from tf_poseidon.testing.emulated_cluster import EmulatedCluster, ShapedLoopback
     for bandwidth in args.bandwidth:
-        with EmulatedCluster(args.hosts, None if bandwidth == "none" else bandwidth) as cluster:
+        shaped = None if bandwidth == "none" else bandwidth
+        cluster = ShapedLoopback(shaped) if args.loopback else EmulatedCluster(args.hosts, shaped)
+        with cluster:
+            mpirun = cluster.mpirun_args(slots_per_host=2 if args.loopback else 1)
+            mpirun[mpirun.index("--bind-to") + 1] = args.bind_to
             done = cluster.run(
                 # Run as a file, not with -m, so that the ranks do not import tf_poseidon.
-                [*cluster.mpirun_args(), *shlex.split(args.mpi_args), sys.executable,
+                [*mpirun, *shlex.split(args.mpi_args), sys.executable,
                  os.path.abspath(__file__), "--worker", "--big-repeats", str(args.big_repeats),
                  "--small-repeats", str(args.small_repeats)],
                 timeout=args.timeout)
@@ -85,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(done.stdout + done.stderr)
             return done.returncode
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{args.hosts} hosts, {bandwidth:>6}: 64 MB fp32 all-reduce median "
+        where = "loopback" if args.loopback else f"{args.hosts} hosts"
+        print(f"{where}, {bandwidth:>6}: 64 MB fp32 all-reduce median "
               f"{r['big_s']['median']:.3f} s (min {r['big_s']['min']:.3f}); 1 KB all-reduce "
               f"median {r['small_ms']['median']:.3f} ms (mean {r['small_ms']['mean']:.3f})",
               flush=True)

@@ -1,0 +1,130 @@
+"""Worker for the exactness tests: trains several small models, saves what the tests compare.
+
+Run under mpirun (or alone). Every rank seeds with its own rank, so rank 0's initial values
+must reach the others for them to train in lockstep. Writes, on every rank,
+OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_poseidon as tp  # noqa: E402
+
+GLOBAL_BATCH = 60
+
+
+def data(n: int, image: bool):
+    rng = np.random.default_rng(1234)
+    x = rng.normal(size=(n, 6, 6, 2) if image else (n, 12)).astype("float32")
+    y = (x.reshape(n, -1)[:, :5].sum(1) > 0).astype("int32") + \
+        (x.reshape(n, -1)[:, 5:9].sum(1) > 1).astype("int32")
+    return x, y
+
+
+def model_for(kind: str) -> keras.Model:
+    if kind == "mlp":
+        layers = [keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
+                  keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    else:
+        layers = [keras.Input((6, 6, 2)), keras.layers.Conv2D(8, 3, activation="relu"),
+                  keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.Flatten(),
+                  keras.layers.Dense(3)]
+    return keras.Sequential(layers)
+
+
+def optimizer_for(name: str):
+    if name == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    return keras.optimizers.Adam(0.01)
+
+
+def weights_of(model) -> np.ndarray:
+    return np.concatenate([v.numpy().ravel() for v in model.weights])
+
+
+def run_fit(strategy, kind, opt, n, epochs, out):
+    x, y = data(n, kind == "cnn")
+    with strategy.scope():
+        model = model_for(kind)
+        model.compile(optimizer=optimizer_for(opt),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+    predictions = model.predict(x[:77], batch_size=20, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+    np.savez(out, weights=weights_of(model), loss=history.history["loss"],
+             accuracy=history.history["accuracy"], predictions=predictions,
+             evaluation=evaluation, optimizer=np.concatenate([v.numpy().ravel() for v in model.optimizer.variables]))
+
+
+def run_custom_loop(strategy, kind, opt, n, epochs, out, from_function):
+    x, y = data(n, kind == "cnn")
+    with strategy.scope():
+        model = model_for(kind)
+        optimizer = optimizer_for(opt)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none")
+    if from_function:
+        def dataset_fn(ctx):
+            # Pipeline r reads its own rows of every global batch (balanced, contiguous).
+            r, p = ctx.input_pipeline_id, ctx.num_input_pipelines
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+            def rows(a, b):
+                n = tf.shape(a)[0]
+                return a[n * r // p:n * (r + 1) // p], b[n * r // p:n * (r + 1) // p]
+            return ds.map(rows)
+        dist = strategy.distribute_datasets_from_function(dataset_fn)
+    else:
+        dist = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+
+    @tf.function
+    def step(xb, yb):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(yb, model(xb, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        per_replica_loss = strategy.run(replica_fn, args=(xb, yb))
+        return strategy.reduce("SUM", per_replica_loss, axis=None)
+
+    losses = []
+    for _ in range(epochs):
+        for xb, yb in dist:
+            losses.append(float(step(xb, yb)))
+    np.savez(out, weights=weights_of(model), loss=np.array(losses))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--configs", default="mlp-sgd,mlp-adam,cnn-sgd,cnn-adam")
+    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--custom-loop", action="store_true")
+    parser.add_argument("--from-function", action="store_true")
+    args = parser.parse_args()
+    keras.utils.set_random_seed(100 + tp.rank())
+    strategy = tp.PoseidonStrategy()
+    for config in args.configs.split(","):
+        kind, opt = config.split("-")
+        out = os.path.join(args.out, f"{config}_rank{tp.rank()}.npz")
+        if args.custom_loop:
+            run_custom_loop(strategy, kind, opt, args.n, args.epochs, out, args.from_function)
+        else:
+            run_fit(strategy, kind, opt, args.n, args.epochs, out)
+    print(f"rank {tp.rank()} done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
