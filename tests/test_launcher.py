@@ -190,3 +190,18 @@ def test_real_local_run_prints_ranks():
 
 def test_failing_rank_fails_the_launch(capfd):
     assert launcher.main(["-np", "2", sys.executable, "-c", rank_script(exit_code=3)]) != 0
+
+
+def test_users_own_mca_settings_win():
+    """Open MPI refuses a parameter given twice; the user's --mpi-args or OMPI_MCA_* win."""
+    p = plan("-np", "2", "-H", "a:1,b:1", "--mpi-args", "--mca pml ucx --bind-to core",
+             "python", "x.py", environ={"PATH": "/usr/bin", "OMPI_MCA_btl": "self,tcp"})
+    assert p.argv.count("--bind-to") == 1 and p.argv[p.argv.index("--bind-to") + 1] == "core"
+    assert [a for a in p.argv if a in ("pml", "btl")] == ["pml"]  # only the user's pml
+    assert p.argv[p.argv.index("pml") + 1] == "ucx"
+
+
+def test_inside_slurm_allocation_no_ssh():
+    p = plan("-np", "2", "-H", "node1:1,node2:1", "python", "x.py",
+             environ={"PATH": "/usr/bin", "SLURM_JOB_ID": "77"})
+    assert p.remote_hosts == [] and mca(p.argv, "plm_rsh_args") is None

@@ -23,10 +23,13 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
 - With hosts other than this one: TCP transport (``--mca pml ob1 --mca btl self,sm,tcp``),
   ``--network-interfaces`` as ``btl_tcp_if_include``/``oob_tcp_if_include``, and ssh options
   (``-p``, ``-i``, ``BatchMode=yes``, ``ConnectTimeout=<start timeout>``) as
-  ``--mca plm_rsh_args``.
+  ``--mca plm_rsh_args`` (not inside a Slurm allocation, where Open MPI uses srun).
+- Any of these MCA parameters (or ``--bind-to``) that the user sets in ``--mpi-args`` or as an
+  ``OMPI_MCA_<name>`` variable is left to the user's value (Open MPI refuses a parameter given
+  twice), e.g. ``--mpi-args "--mca pml ucx"`` for InfiniBand.
 
 ``--start-timeout`` (default 30 s, as horovodrun): before starting ``mpirun``, every remote
-host is checked to be reachable through the agent ``mpirun`` will use (ssh, or the
+host (outside a Slurm allocation) is checked to be reachable through the agent ``mpirun`` will use (ssh, or the
 ``plm_rsh_agent`` given in ``--mpi-args``) by running ``true`` there, all hosts in parallel,
 and the launch is refused, naming the hosts, if any check fails or the checks take longer
 than the timeout. The same value bounds ssh's connection set-up for ``mpirun``'s own daemons
@@ -165,6 +168,11 @@ def _is_local(name: str) -> bool:
                     socket.gethostname().split(".")[0])
 
 
+def _mca_params(mpi_args: Sequence[str]) -> set[str]:
+    """Names of the MCA parameters set in the user's extra mpirun arguments."""
+    return {name for flag, name in zip(mpi_args, mpi_args[1:]) if flag in _MCA_FLAGS}
+
+
 def _mpi_args_agent(mpi_args: Sequence[str]) -> list[str] | None:
     """The rsh/ssh agent set in the user's extra mpirun arguments, if any."""
     for flag, name, value in zip(mpi_args, mpi_args[1:], mpi_args[2:]):
@@ -228,6 +236,13 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     if args.timeline_filename:
         env["TF_POSEIDON_TIMELINE"] = os.path.abspath(args.timeline_filename)
 
+    user_params = _mca_params(mpi_args) | {name[len("OMPI_MCA_"):] for name in env
+                                           if name.startswith("OMPI_MCA_")}
+
+    def mca(name: str, value: str) -> list[str]:
+        # Open MPI refuses a parameter given twice: the user's own setting wins.
+        return [] if name in user_params else ["--mca", name, value]
+
     argv = [find_mpirun()]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
@@ -235,26 +250,28 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     argv += ["-np", str(np_)]
     if hosts:
         argv += ["-H", ",".join(f"{h.name}:{h.slots}" for h in hosts)]
-    argv += ["--bind-to", "none"]
+    if not {"--bind-to", "-bind-to"} & set(mpi_args):
+        argv += ["--bind-to", "none"]
     if not hosts and np_ > _physical_cores():
         argv.append("--oversubscribe")
-    argv += ["--mca", "mpi_yield_when_idle", "1"]
+    argv += mca("mpi_yield_when_idle", "1")
 
     remote = [h.name for h in hosts if not _is_local(h.name)]
     agent = _mpi_args_agent(mpi_args)
     if remote:
-        argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp"]
+        argv += mca("pml", "ob1") + mca("btl", "self,sm,tcp")
         if args.nics:
-            argv += ["--mca", "btl_tcp_if_include", args.nics,
-                     "--mca", "oob_tcp_if_include", args.nics]
-        if agent is None:
+            argv += mca("btl_tcp_if_include", args.nics) + mca("oob_tcp_if_include", args.nics)
+        if agent is None and "SLURM_JOB_ID" in env:
+            remote = []  # inside an allocation Open MPI starts its daemons with srun, not ssh
+        elif agent is None:
             ssh_options = ["-o", "BatchMode=yes",
                            "-o", f"ConnectTimeout={max(1, round(args.start_timeout))}"]
             if args.ssh_port:
                 ssh_options += ["-p", str(args.ssh_port)]
             if args.ssh_identity_file:
                 ssh_options += ["-i", args.ssh_identity_file]
-            argv += ["--mca", "plm_rsh_args", " ".join(ssh_options)]
+            argv += mca("plm_rsh_args", " ".join(ssh_options))
             agent = ["ssh", *ssh_options]
     for name in sorted(env):
         if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES):

@@ -21,9 +21,12 @@ one node and try shared memory across hosts.
 :class:`ShapedLoopback` is the cheaper single-namespace variant (all ranks on one "host",
 its shaped ``lo`` carrying the MPI traffic over TCP), with the same interface.
 
-Measured figures (2 cores, Open MPI 5.0.11, mpi4py; how to reproduce: docs/cluster.md):
-64 MB float32 ``Allreduce`` between 2 hosts took 0.87 s at 1 gbit, 0.14 s at 10 gbit; a 1 KB
-``Allreduce`` about 0.1 ms unshaped (0.1 ms at 1 gbit).
+Measured figures (2 busy cores, Open MPI 5.0.11, mpi4py; commands and discussion in
+docs/cluster.md): 64 MB float32 ``Allreduce`` between 2 hosts 0.57 s at 1 gbit (the wire floor
+is 0.54 s), 0.13-0.16 s at 10 gbit (CPU-bound: unshaped is no faster); a 1 KB ``Allreduce``
+0.015-0.02 ms. Launch with ``--bind-to none`` (``mpirun_args`` does): Open MPI's default binds
+every host's first rank to core 0 — the same core for all emulated hosts — which made the
+same measurements 0.87 s and 8 ms.
 
 Lifetime: use as a context manager. Teardown (also on exceptions, Ctrl-C, SIGTERM and SIGHUP)
 kills every process left in the namespaces, deletes them (their links, bridge and qdiscs go
