@@ -109,6 +109,9 @@ def test_cpu_host_splits_cores_between_local_ranks():
     p = placement.decide(TWO_PER_HOST, {}, cores=16, gpus=[])
     assert (p.gpu, p.intra_op_threads, p.inter_op_threads) == (None, 8, 2)
     assert placement.decide(TWO_PER_HOST, {}, cores=1, gpus=[]).intra_op_threads == 1
+    # srun --cpus-per-task=6: those 6 CPUs are this task's alone.
+    slurm = {"SLURM_CPUS_PER_TASK": "6"}
+    assert placement.decide(TWO_PER_HOST, slurm, cores=16, gpus=[]).intra_op_threads == 6
 
 
 def test_thread_overrides_and_inter_op_floor():

@@ -9,7 +9,10 @@ Rules (applied only when the job has more than one process, on this host or in a
   ``tf.config.set_visible_devices``. Thread pools keep TF's defaults.
 - **CPU-only hosts**: the cores this process may run on (``os.sched_getaffinity``) are shared
   by the ranks of the host: intra-op threads = max(1, cores // local_size); inter-op threads =
-  2. ``TF_POSEIDON_INTRA_THREADS`` / ``TF_POSEIDON_INTER_THREADS`` override the two numbers.
+  2. Under ``srun --cpus-per-task=N`` the N CPUs are the task's own: intra-op threads = N.
+  ``TF_POSEIDON_INTRA_THREADS`` / ``TF_POSEIDON_INTER_THREADS`` override the two numbers.
+  The division assumes the ranks are not bound to cores by the launcher (``tfposeidon-run``
+  passes ``--bind-to none``; plain ``mpirun`` binds by default — pass ``--bind-to none``).
   The inter-op pool is never made smaller than 2: the communication engine's graph ops run on
   it and a single inter-op thread starves them.
 - **The user's own settings win**: ``TF_NUM_INTRAOP_THREADS``/``TF_NUM_INTEROP_THREADS`` in the
@@ -66,13 +69,21 @@ def decide(world: World, environ: Mapping[str, str], cores: int,
         if len(gpus) < world.local_size:
             notes.append(f"{world.local_size} ranks on this host share {len(gpus)} GPU(s)")
         return Placement(gpu, None, None, tuple(notes))
-    intra = _env_int(environ, "TF_POSEIDON_INTRA_THREADS") or max(1, cores // world.local_size)
+    intra = (_env_int(environ, "TF_POSEIDON_INTRA_THREADS")
+             or _slurm_cpus_per_task(environ, cores)
+             or max(1, cores // world.local_size))
     inter = _env_int(environ, "TF_POSEIDON_INTER_THREADS") or DEFAULT_INTER_OP_THREADS
     if inter < MIN_INTER_OP_THREADS:
         notes.append(f"inter-op threads raised from {inter} to {MIN_INTER_OP_THREADS}: the "
                      "communication engine's ops need two")
         inter = MIN_INTER_OP_THREADS
     return Placement(None, intra, inter, tuple(notes))
+
+
+def _slurm_cpus_per_task(environ: Mapping[str, str], cores: int) -> int | None:
+    # Under `srun --cpus-per-task=N` the N CPUs are this task's own (bound or not).
+    raw = environ.get("SLURM_CPUS_PER_TASK", "")
+    return min(int(raw), cores) if raw.isdigit() and int(raw) > 0 else None
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
