@@ -99,15 +99,15 @@ def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie child of ours counts as gone; reap it if it is ours.
+    """False once ``pid`` has exited, including as a zombie nobody has reaped yet."""
     with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child: reap it
             return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def delete_namespace(name: str) -> None:
@@ -145,8 +145,11 @@ class RunLock:
         os.makedirs(STATE_DIR, exist_ok=True)
         self.prefix = f"tpc-{secrets.token_hex(4)}"
         self._path = os.path.join(STATE_DIR, f"{self.prefix}.lock")
-        self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)  # fresh random name: never contended
+        # Locked under a name sweepers ignore, then renamed: the lock file never exists unlocked.
+        hidden = os.path.join(STATE_DIR, f".new-{self.prefix}")
+        self._fd = os.open(hidden, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.rename(hidden, self._path)
         self.state_dir = os.path.join(STATE_DIR, self.prefix)
         os.makedirs(self.state_dir)
 
