@@ -109,7 +109,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--configs", default="mlp-sgd,mlp-adam,cnn-sgd,cnn-adam")
-    parser.add_argument("--n", type=int, default=1000)
+    parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--custom-loop", action="store_true")
     parser.add_argument("--from-function", action="store_true")
@@ -120,9 +120,9 @@ def main():
         kind, opt = config.split("-")
         out = os.path.join(args.out, f"{config}_rank{tp.rank()}.npz")
         if args.custom_loop:
-            run_custom_loop(strategy, kind, opt, args.n, args.epochs, out, args.from_function)
+            run_custom_loop(strategy, kind, opt, args.rows, args.epochs, out, args.from_function)
         else:
-            run_fit(strategy, kind, opt, args.n, args.epochs, out)
+            run_fit(strategy, kind, opt, args.rows, args.epochs, out)
     print(f"rank {tp.rank()} done", flush=True)
 
 

@@ -1,0 +1,33 @@
+"""Nothing hangs and nothing is silent: a failing rank ends the job, different models are
+named, and only rank 0 prints Keras' progress while every rank holds the global History."""
+
+import re
+
+from multirank import check, run_job
+
+
+def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
+    result, seconds = run_job(2, "misbehave.py", "raise", timeout=120)
+    assert result.returncode != 0
+    assert seconds < 60, f"the job took {seconds:.0f} s to end"
+    assert "[tf_poseidon rank 1] uncaught exception" in result.stdout
+    assert "RuntimeError: injected failure on rank 1" in result.stdout
+
+
+def test_different_models_fail_at_the_first_step_naming_the_mismatch():
+    result, seconds = run_job(2, "misbehave.py", "mismatch", timeout=120)
+    assert result.returncode != 0 and seconds < 60
+    assert "the ranks built different models" in result.stdout
+    assert re.search(r"variable 0 differs between rank 0 \(\S+: shape \(10, 16\), float32\) and "
+                     r"rank 1 \(\S+: shape \(10, 24\), float32\)", result.stdout), result.stdout
+
+
+def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
+    result, _ = run_job(2, "misbehave.py", "verbose", mpi_args="--tag-output")
+    output = check(result)
+    progress = [line for line in output.split("\n") if "loss:" in line]  # bars redraw with \r
+    assert progress, output
+    assert all(line.startswith("[1,0]") for line in progress), progress
+    finals = re.findall(r"\[1,(\d)\]<stdout>: ?rank \d final loss (\S+)", output)
+    assert sorted(rank for rank, _ in finals) == ["0", "1"], output
+    assert finals[0][1] == finals[1][1]

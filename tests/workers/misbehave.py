@@ -1,0 +1,43 @@
+"""Worker for the failure and logging tests: a short fit in which one rank misbehaves.
+
+    misbehave.py raise      rank 1 raises in the 4th training batch
+    misbehave.py mismatch   rank 1 builds a wider hidden layer than rank 0
+    misbehave.py verbose    nobody misbehaves; fit prints its progress bar (verbose=1)
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_poseidon as tp  # noqa: E402
+
+
+class RaiseOnRankOne(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if tp.rank() == 1 and batch == 3:
+            raise RuntimeError("injected failure on rank 1")
+
+
+def main(behaviour: str) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(640, 10)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    width = 24 if behaviour == "mismatch" and tp.rank() == 1 else 16
+    strategy = tp.PoseidonStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(width, activation="relu"),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callbacks = [RaiseOnRankOne()] if behaviour == "raise" else []
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=1 if behaviour == "verbose" else 0,
+                        callbacks=callbacks)
+    print(f"rank {tp.rank()} final loss {history.history['loss'][-1]:.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
