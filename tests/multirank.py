@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers")
@@ -40,7 +41,7 @@ def run_job(num_ranks: int, worker: str, *args: str, timeout: float = 300,
         argv += [sys.executable, script, *args]
     start = time.monotonic()
     result = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            timeout=timeout, env=job_env(env), cwd=cwd)
+                            timeout=timeout, env=job_env(env), cwd=cwd or tempfile.gettempdir())
     # Decoded by hand: text mode would turn the progress bars' carriage returns into newlines.
     result.stdout = result.stdout.decode("utf-8", errors="replace")
     return result, time.monotonic() - start

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs tf_poseidon (building its custom ops) into ./.venv and runs the whole test suite
+# against the installed package. Exit status is pytest's, except that "no tests collected"
+# (pytest's 5) counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv || exit 1
+.venv/bin/pip install --quiet '.[test]' || exit 1
+# The suite must run the compiled op: failing to build or load it is an error, not a fallback.
+TF_POSEIDON_REQUIRE_OPS=1 .venv/bin/pytest -p no:cacheprovider tests "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+    echo "ci/test.sh: pytest collected no tests; that is a failure" >&2
+    exit 1
+fi
+exit "$status"
