@@ -99,10 +99,8 @@ def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """False once ``pid`` has exited, including as a zombie nobody has reaped yet."""
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child: reap it
-            return False
+    """False once ``pid`` has exited, including as a zombie not reaped yet (its parent, maybe
+    a subprocess.Popen of ours, reaps it and keeps its exit status)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
