@@ -205,3 +205,19 @@ def test_inside_slurm_allocation_no_ssh():
     p = plan("-np", "2", "-H", "node1:1,node2:1", "python", "x.py",
              environ={"PATH": "/usr/bin", "SLURM_JOB_ID": "77"})
     assert p.remote_hosts == [] and mca(p.argv, "plm_rsh_args") is None
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("exec sleep 30", 128 + 15),                   # the job ends on the forwarded SIGTERM
+    ("trap '' TERM; while :; do sleep 0.1; done", 128 + 15),  # ignored: killed after the grace
+])
+def test_sigterm_is_forwarded_then_enforced(monkeypatch, body, expected):
+    import signal
+    import threading
+    monkeypatch.setattr(launcher, "SHUTDOWN_GRACE_S", 1.0)
+    job = launcher.LaunchPlan(argv=["sh", "-c", body], env=dict(os.environ), remote_hosts=[],
+                              agent=[], start_timeout=1.0)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    assert launcher.run(job) == expected
+    assert time.monotonic() - start < 10

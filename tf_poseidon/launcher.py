@@ -323,16 +323,20 @@ def run(launch: LaunchPlan) -> int:
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        deadline = None
         while True:
             try:
-                code = proc.wait(timeout=SHUTDOWN_GRACE_S if forwarded else None)
+                code = proc.wait(timeout=1.0)  # short, so that the grace deadline is checked
                 break
             except subprocess.TimeoutExpired:
-                sys.stderr.write(f"tfposeidon-run: mpirun did not end {SHUTDOWN_GRACE_S:g} s "
-                                 "after the signal; killing it\n")
-                proc.kill()
-                proc.wait()
-                return 128 + forwarded[0]
+                if forwarded and deadline is None:
+                    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+                if deadline is not None and time.monotonic() > deadline:
+                    sys.stderr.write(f"tfposeidon-run: mpirun did not end {SHUTDOWN_GRACE_S:g} s "
+                                     "after the signal; killing it\n")
+                    proc.kill()
+                    proc.wait()
+                    return 128 + forwarded[0]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
