@@ -29,12 +29,12 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
   twice), e.g. ``--mpi-args "--mca pml ucx"`` for InfiniBand.
 
 ``--start-timeout`` (default 30 s, as horovodrun): before starting ``mpirun``, every remote
-host (outside a Slurm allocation) is checked to be reachable through the agent ``mpirun`` will use (ssh, or the
-``plm_rsh_agent`` given in ``--mpi-args``) by running ``true`` there, all hosts in parallel,
-and the launch is refused, naming the hosts, if any check fails or the checks take longer
-than the timeout. The same value bounds ssh's connection set-up for ``mpirun``'s own daemons
-(``ConnectTimeout``), so a host that vanishes after the check fails the job instead of
-hanging it. It does not bound the time the program takes to reach MPI initialisation
+host (outside a Slurm allocation) is checked to be reachable through the agent ``mpirun``
+will use (ssh, or the ``plm_rsh_agent`` given in ``--mpi-args``) by running ``true`` there,
+all hosts in parallel, and the launch is refused, naming the hosts, if any check fails or the
+checks take longer than the timeout. The same value bounds ssh's connection set-up for
+``mpirun``'s own daemons (``ConnectTimeout``), so a host that vanishes after the check fails
+the job instead of hanging it. It does not bound the time the program takes to reach MPI initialisation
 (tf_poseidon initialises MPI lazily).
 
 The wait for the job itself has no timeout (a job runs as long as it trains); Ctrl-C or

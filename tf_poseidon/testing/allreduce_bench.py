@@ -7,7 +7,8 @@
 builds a 2-host :class:`EmulatedCluster` (``--loopback``: a :class:`ShapedLoopback` with 2
 ranks) per bandwidth ("none": unshaped), runs this module under ``mpirun`` on it
 (``--worker``), and prints per bandwidth the time of a 64 MB float32 ``Allreduce`` (slowest
-rank, median and best of ``--big-repeats``) and of a 1 KB one. Blocks for the runs; each has a timeout.
+rank, median and best of ``--big-repeats``) and of a 1 KB one. Blocks for the runs; each
+has a timeout (``--timeout``).
 """
 
 from __future__ import annotations
