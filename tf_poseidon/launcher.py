@@ -34,8 +34,8 @@ will use (ssh, or the ``plm_rsh_agent`` given in ``--mpi-args``) by running ``tr
 all hosts in parallel, and the launch is refused, naming the hosts, if any check fails or the
 checks take longer than the timeout. The same value bounds ssh's connection set-up for
 ``mpirun``'s own daemons (``ConnectTimeout``), so a host that vanishes after the check fails
-the job instead of hanging it. It does not bound the time the program takes to reach MPI initialisation
-(tf_poseidon initialises MPI lazily).
+the job instead of hanging it. It does not bound the time the program takes to reach MPI
+initialisation (tf_poseidon initialises MPI lazily).
 
 The wait for the job itself has no timeout (a job runs as long as it trains); Ctrl-C or
 SIGTERM is passed to ``mpirun``, which ends every rank, and the launcher waits at most 30 s
