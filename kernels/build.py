@@ -147,7 +147,9 @@ def build(library: Path) -> None:
 
 
 def _cxx_command(source: Path, work: Path, cuda: Path | None) -> list[str]:
+    # -ffp-contract=off: no FMA contraction, so results do not depend on the instruction set.
     command = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-DNDEBUG", "-fPIC"]
+    command += ["-ffp-contract=off"]
     command += ["-fvisibility=hidden", "-fvisibility-inlines-hidden", "-Wno-deprecated-declarations"]
     command += tf.sysconfig.get_compile_flags() + isa_flags() + [f"-I{KERNEL_DIR}"]
     if cuda is not None:
