@@ -1,0 +1,149 @@
+"""Benchmark of the compiled kernels of tf_poseidon.ops against stock TensorFlow (not a test).
+
+(a) pack + unpack (float32 gradients <-> float16 wire, scaled) of 50 tensors totalling 100 MB, vs
+    ``ops.CompositeOps`` (cast/reshape/concat and split/reshape/cast), eagerly and in tf.function,
+    and vs a plain memory copy (numpy) of the same 100 MB measured in the same run;
+(b) sfb_reconstruct vs ``tf.matmul(U, V, transpose_a=True)`` for SFB shapes of the VGG head.
+
+Candidates are timed interleaved (A, B, A, B, ...) and the best of ``--repeats`` runs is reported
+with the median, since other processes may share the machine. Prints markdown tables.
+
+    python -m benchmarks.bench_ops [--repeats 15]     # from the repository root
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tf_poseidon import ops
+
+MB = 1e6
+
+
+def timings(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each candidate, runs interleaved, after one warm-up call each."""
+    for fn in candidates.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def gradient_like_tensors(rng: np.random.Generator, count: int, total_bytes: float) -> list[tf.Tensor]:
+    """``count`` float32 tensors of log-uniform sizes (like a network's layers) summing to total_bytes."""
+    weights = 10.0 ** rng.uniform(0, 3, size=count)
+    sizes = np.maximum(1, (weights / weights.sum() * total_bytes / 4).astype(np.int64))
+    return [tf.constant(rng.standard_normal(int(n)).astype(np.float32)) for n in sizes]
+
+
+def bench_pack_unpack(repeats: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    tensors = gradient_like_tensors(rng, 50, 100 * MB)
+    nbytes = sum(int(t.shape.num_elements()) * 4 for t in tensors)
+    shapes = [t.shape for t in tensors]
+    dtypes = [tf.float32] * len(tensors)
+    scale = tf.constant(1.0 / 64)
+    unscale = tf.constant(64.0)
+    composite = ops.CompositeOps
+
+    def compiled_roundtrip():
+        return ops.unpack(ops.pack(tensors, tf.float16, scale), shapes, dtypes, unscale)
+
+    def composite_roundtrip():
+        return composite.unpack(composite.pack(tensors, tf.float16, scale), shapes, dtypes, unscale)
+
+    source = np.concatenate([t.numpy() for t in tensors])
+    target = np.empty_like(source)
+    packed = ops.pack(tensors, tf.float16, scale)
+    candidates = {
+        "memcpy (numpy copy, 1 thread)": lambda: np.copyto(target, source),
+        "compiled pack": lambda: ops.pack(tensors, tf.float16, scale),
+        "compiled unpack": lambda: ops.unpack(packed, shapes, dtypes, unscale),
+        "compiled pack+unpack, eager": compiled_roundtrip,
+        "compiled pack+unpack, tf.function": tf.function(compiled_roundtrip),
+        "composite pack+unpack, eager": composite_roundtrip,
+        "composite pack+unpack, tf.function": tf.function(composite_roundtrip),
+    }
+    # Bytes read + written: copy 2x, pack 1.5x, unpack 1.5x, pack+unpack 3x the float32 size.
+    traffic = {"memcpy": 2.0, "compiled pack": 1.5, "compiled unpack": 1.5}
+    times = timings(candidates, repeats)
+    best = {name: min(t) for name, t in times.items()}
+    memcpy_rate = 2.0 * nbytes / best["memcpy (numpy copy, 1 thread)"]
+    composite_best = min(best["composite pack+unpack, eager"], best["composite pack+unpack, tf.function"])
+    rows = [
+        f"(a) pack + unpack, {len(tensors)} float32 tensors, {nbytes / MB:.0f} MB, float16 wire, scale 1/64",
+        "",
+        "| candidate | best ms | median ms | GB/s (read+write) | % of memcpy GB/s | speed-up vs best composite |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, t in times.items():
+        factor = next((f for prefix, f in traffic.items() if name.startswith(prefix)), 3.0)
+        rate = factor * nbytes / best[name]
+        speedup = composite_best / best[name] if "pack+unpack" in name else float("nan")
+        rows.append(
+            f"| {name} | {best[name] * 1e3:.1f} | {np.median(t) * 1e3:.1f} | {rate / 1e9:.1f} "
+            f"| {100 * rate / memcpy_rate:.0f}% | {speedup:.2f} |"
+        )
+    return rows
+
+
+def bench_sfb(repeats: int) -> list[str]:
+    rng = np.random.default_rng(1)
+    rows = [
+        "(b) sfb_reconstruct vs tf.matmul(U, V, transpose_a=True), float32 [M, N] out",
+        "",
+        "| R, M, N | inputs | tf best ms | compiled best ms | tf median ms | compiled median ms | compiled/tf (best) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, m, n in [(64, 25088, 4096), (64, 4096, 4096), (128, 4096, 1000)]:
+        u32 = tf.constant(rng.standard_normal((r, m)).astype(np.float32))
+        v32 = tf.constant(rng.standard_normal((r, n)).astype(np.float32))
+        u16, v16 = tf.cast(u32, tf.float16), tf.cast(v32, tf.float16)
+        cases = {
+            "float32": (
+                lambda: tf.matmul(u32, v32, transpose_a=True),
+                lambda: ops.sfb_reconstruct(u32, v32),
+            ),
+            "float16 (tf: cast, then matmul)": (
+                lambda: tf.matmul(tf.cast(u16, tf.float32), tf.cast(v16, tf.float32), transpose_a=True),
+                lambda: ops.sfb_reconstruct(u16, v16),
+            ),
+        }
+        for inputs, (reference, compiled) in cases.items():
+            times = timings({"tf": reference, "compiled": compiled}, repeats)
+            tf_t, ours = times["tf"], times["compiled"]
+            rows.append(
+                f"| {r}, {m}, {n} | {inputs} | {min(tf_t) * 1e3:.1f} | {min(ours) * 1e3:.1f} "
+                f"| {np.median(tf_t) * 1e3:.1f} | {np.median(ours) * 1e3:.1f} | {min(ours) / min(tf_t):.2f} |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per candidate")
+    args = parser.parse_args()
+    if not ops.available():
+        raise SystemExit("the compiled ops are not available")
+    print(
+        f"TensorFlow {tf.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, best and median of {args.repeats} interleaved runs\n"
+    )
+    print("\n".join(bench_pack_unpack(args.repeats)))
+    print()
+    print("\n".join(bench_sfb(args.repeats)))
+
+
+if __name__ == "__main__":
+    main()
