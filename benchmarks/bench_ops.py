@@ -66,18 +66,17 @@ def bench_pack_unpack(repeats: int) -> list[str]:
     source = np.concatenate([t.numpy() for t in tensors])
     target = np.empty_like(source)
     packed = ops.pack(tensors, tf.float16, scale)
+    # name -> (call, bytes read + written as a multiple of the float32 size).
     candidates = {
-        "memcpy (numpy copy, 1 thread)": lambda: np.copyto(target, source),
-        "compiled pack": lambda: ops.pack(tensors, tf.float16, scale),
-        "compiled unpack": lambda: ops.unpack(packed, shapes, dtypes, unscale),
-        "compiled pack+unpack, eager": compiled_roundtrip,
-        "compiled pack+unpack, tf.function": tf.function(compiled_roundtrip),
-        "composite pack+unpack, eager": composite_roundtrip,
-        "composite pack+unpack, tf.function": tf.function(composite_roundtrip),
+        "memcpy (numpy copy, 1 thread)": (lambda: np.copyto(target, source), 2.0),
+        "compiled pack": (lambda: ops.pack(tensors, tf.float16, scale), 1.5),
+        "compiled unpack": (lambda: ops.unpack(packed, shapes, dtypes, unscale), 1.5),
+        "compiled pack+unpack, eager": (compiled_roundtrip, 3.0),
+        "compiled pack+unpack, tf.function": (tf.function(compiled_roundtrip), 3.0),
+        "composite pack+unpack, eager": (composite_roundtrip, 3.0),
+        "composite pack+unpack, tf.function": (tf.function(composite_roundtrip), 3.0),
     }
-    # Bytes read + written: copy 2x, pack 1.5x, unpack 1.5x, pack+unpack 3x the float32 size.
-    traffic = {"memcpy": 2.0, "compiled pack": 1.5, "compiled unpack": 1.5}
-    times = timings(candidates, repeats)
+    times = timings({name: call for name, (call, _) in candidates.items()}, repeats)
     best = {name: min(t) for name, t in times.items()}
     memcpy_rate = 2.0 * nbytes / best["memcpy (numpy copy, 1 thread)"]
     composite_best = min(best["composite pack+unpack, eager"], best["composite pack+unpack, tf.function"])
@@ -87,13 +86,12 @@ def bench_pack_unpack(repeats: int) -> list[str]:
         "| candidate | best ms | median ms | GB/s (read+write) | % of memcpy GB/s | speed-up vs best composite |",
         "|---|---|---|---|---|---|",
     ]
-    for name, t in times.items():
-        factor = next((f for prefix, f in traffic.items() if name.startswith(prefix)), 3.0)
-        rate = factor * nbytes / best[name]
-        speedup = composite_best / best[name] if "pack+unpack" in name else float("nan")
+    for name, (_, traffic) in candidates.items():
+        rate = traffic * nbytes / best[name]
+        speedup = f"{composite_best / best[name]:.2f}" if "pack+unpack" in name else ""
         rows.append(
-            f"| {name} | {best[name] * 1e3:.1f} | {np.median(t) * 1e3:.1f} | {rate / 1e9:.1f} "
-            f"| {100 * rate / memcpy_rate:.0f}% | {speedup:.2f} |"
+            f"| {name} | {best[name] * 1e3:.1f} | {np.median(times[name]) * 1e3:.1f} "
+            f"| {rate / 1e9:.1f} | {100 * rate / memcpy_rate:.0f}% | {speedup} |"
         )
     return rows
 
