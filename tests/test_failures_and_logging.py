@@ -3,6 +3,8 @@ named, and only rank 0 prints Keras' progress while every rank holds the global 
 
 import re
 
+import pytest
+
 from multirank import check, run_job
 
 
@@ -31,3 +33,13 @@ def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
     finals = re.findall(r"\[1,(\d)\]<stdout>: ?rank \d final loss (\S+)", output)
     assert sorted(rank for rank, _ in finals) == ["0", "1"], output
     assert finals[0][1] == finals[1][1]
+
+
+@pytest.mark.parametrize("how", ["fit", "loop"])
+def test_uneven_per_rank_datasets_end_the_epoch_together(how):
+    # distribute_datasets_from_function with shards of 5, 7 and 9 batches: every rank stops
+    # after 5 steps each epoch instead of waiting forever for the shorter shards.
+    result, seconds = run_job(3, "uneven_shards.py", how, timeout=120)
+    output = check(result)
+    steps = re.findall(r"rank (\d) steps (\d+)", output)
+    assert sorted(steps) == sorted([(str(r), "5") for r in range(3)] * 2), output

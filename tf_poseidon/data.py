@@ -1,5 +1,7 @@
 """Input distribution: each rank takes its slice of every global batch.
 
+Two entry points, matching the strategy's two dataset methods:
+
 ``experimental_distribute_dataset(dataset)`` receives a dataset of *global* batches (B examples,
 as TF's own strategies do). Every rank iterates the same dataset and keeps rows
 ``[floor(n·r/P), floor(n·(r+1)/P))`` of each batch of n rows: contiguous slices in rank order,
@@ -9,11 +11,19 @@ number of batches, so epochs end on every rank together without any extra commun
 
 Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline. Shuffle with a
 seed, or every rank slices a different permutation of the data.
+
+``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
+may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
+length, agreed once when the dataset is distributed, so every epoch ends on every rank together.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import input_lib
 
 
 def batch_size_of(structure) -> tf.Tensor | None:
@@ -40,6 +50,38 @@ def slice_for_rank(element, rank: int, size: int):
     return tf.nest.map_structure(take, element)
 
 
+class RankLocalDataset(input_lib.DistributedDatasetsFromFunction):
+    """What the strategy's dataset methods return: this rank's part of the input.
+
+    A ``tf.distribute.DistributedDataset`` so that Keras (and users) know it is distributed
+    already and do not distribute it again; iterating it yields this rank's batches as plain
+    tensors (one local replica), from an ordinary ``tf.data`` iterator. It derives from TF's
+    ``DistributedDatasetsFromFunction`` (without using its machinery) because Keras recognises
+    distributed datasets by that class name; every method Keras and users call is defined here.
+    """
+
+    def __init__(self, dataset: tf.data.Dataset):  # pylint: disable=super-init-not-called
+        self._dataset = dataset
+
+    @property
+    def dataset(self) -> tf.data.Dataset:
+        """The underlying rank-local ``tf.data.Dataset``."""
+        return self._dataset
+
+    def __iter__(self):
+        return iter(self._dataset)
+
+    @property
+    def element_spec(self):
+        return self._dataset.element_spec
+
+    def reduce(self, initial_state, reduce_func):
+        return self._dataset.reduce(initial_state, reduce_func)
+
+    def cardinality(self) -> tf.Tensor:
+        return self._dataset.cardinality()
+
+
 def distribute_global_batches(dataset: tf.data.Dataset, rank: int, size: int) -> tf.data.Dataset:
     """The dataset of this rank's slices of ``dataset``'s global batches (identity if size 1)."""
     if size == 1:
@@ -60,3 +102,26 @@ def distribute_global_batches(dataset: tf.data.Dataset, rank: int, size: int) ->
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     return dataset.map(per_rank, num_parallel_calls=tf.data.AUTOTUNE,
                        deterministic=True).with_options(options)
+
+
+def end_together(dataset: tf.data.Dataset,
+                 min_over_ranks: Callable[[int], int]) -> tf.data.Dataset:
+    """``dataset``, cut to the length of the shortest rank's copy.
+
+    ``min_over_ranks(n) -> min over ranks of n`` is a collective, called once, eagerly. A
+    dataset's length is its cardinality when TensorFlow knows it, else it is counted with one
+    pass over the data now. Infinite datasets are left as they are (their steps are given to
+    ``fit`` by ``steps_per_epoch``). The elements a longer copy has past that length are
+    dropped, every epoch.
+
+    Agreeing once, up front, rather than element by element keeps every collective out of
+    tf.data's threads, which run ahead and are abandoned with their iterators.
+    """
+    length = int(dataset.cardinality())
+    if length == tf.data.UNKNOWN_CARDINALITY:
+        length = int(dataset.reduce(np.int64(0), lambda count, _: count + 1))
+    finite = length != tf.data.INFINITE_CARDINALITY
+    shortest = min_over_ranks(length if finite else np.iinfo(np.int64).max)
+    if shortest == np.iinfo(np.int64).max:
+        return dataset
+    return dataset.take(shortest)

@@ -268,15 +268,27 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     # -- input --------------------------------------------------------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
+        """This rank's slices of ``dataset``'s global batches (data.py), as a RankLocalDataset."""
         del options
-        return data_lib.distribute_global_batches(dataset, self._world.rank, self._world.size)
+        return data_lib.RankLocalDataset(data_lib.distribute_global_batches(
+            dataset, self._world.rank, self._world.size))
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        """``dataset_fn``'s dataset for this rank (an InputContext names it), cut to the
+        shortest rank's length (data.end_together), so every rank runs the same number of
+        steps. Collective and blocking (once, now), like every rank's call of this method."""
         del options
         context = distribute_lib.InputContext(num_input_pipelines=self._world.size,
                                               input_pipeline_id=self._world.rank,
                                               num_replicas_in_sync=self._world.size)
-        return dataset_fn(context)
+        dataset = dataset_fn(context)
+        if not self._distributed:
+            return data_lib.RankLocalDataset(dataset)
+        engine = self.engine
+
+        def shortest(length: int) -> int:
+            return engine.call(lambda comm: collectives.min_over_ranks(comm, length))
+        return data_lib.RankLocalDataset(data_lib.end_together(dataset, shortest))
 
     def _experimental_distribute_values_from_function(self, value_fn):
         return value_fn(distribute_lib.ValueContext(self._world.rank, self._world.size))

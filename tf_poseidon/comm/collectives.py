@@ -31,3 +31,8 @@ def allgather_concat(comm, index: int, payload: np.ndarray) -> np.ndarray:
     displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
     comm.Allgatherv(payload, [out, (counts, displacements)])
     return out
+
+
+def min_over_ranks(comm, value: int) -> int:
+    """The minimum of ``value`` over all ranks, on every rank (a blocking, tiny all-reduce)."""
+    return int(comm.allreduce(int(value), op=_mpi().MIN))

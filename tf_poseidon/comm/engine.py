@@ -13,12 +13,12 @@ the same order on every rank. The engine reconciles the two:
 * Results are delivered per (group, bucket) in FIFO order to whoever waits for them
   (:meth:`CollectiveGroup.wait_result`).
 
-Why the group order is the same on every rank: a group's payloads are submitted only after all
-payloads of the previous group of the same graph were submitted (graph_ops chains them), graphs
-run one at a time, and eager calls are sequential. The engine never reorders across groups.
+Why the group order is the same on every rank: the enqueue ops of one function run in creation
+order (they are stateful; see graph_ops.py), functions run one at a time, and eager calls are
+sequential. The engine never reorders across groups.
 
-Control-plane work (the initial broadcast, descriptor checks, eager reductions) goes through the
-same queue with :meth:`CommEngine.call`, so it, too, is ordered with the data plane.
+Control-plane work (the initial broadcast, descriptor checks) goes through the same queue with
+:meth:`CommEngine.call`, so it, too, is ordered with the data plane.
 """
 
 from __future__ import annotations
@@ -208,9 +208,8 @@ _engine_lock = threading.Lock()
 def get_engine() -> CommEngine:
     """The process's engine, started on first use (initialises MPI). Only when size() > 1."""
     global _engine
-    if _engine is None:
-        with _engine_lock:
-            if _engine is None:
-                from tf_poseidon import world
-                _engine = CommEngine(world.mpi_comm())
-    return _engine
+    with _engine_lock:
+        if _engine is None:
+            from tf_poseidon import world
+            _engine = CommEngine(world.mpi_comm())
+        return _engine
