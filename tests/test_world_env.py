@@ -68,9 +68,6 @@ def test_detect_world(env, expected):
     assert detect_world({**UNRELATED, **env}) == expected
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "world.py takes the FIRST count of SLURM_TASKS_PER_NODE ('3,2' -> 3) as this node's, "
-    "but the list is per node in node order: node SLURM_NODEID=1 runs 2 tasks"))
 def test_slurm_uneven_tasks_per_node_uses_this_nodes_count():
     env = {"PMIX_RANK": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
            "SLURM_TASKS_PER_NODE": "3,2", "SLURM_STEP_TASKS_PER_NODE": "3,2"}

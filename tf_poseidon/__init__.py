@@ -8,15 +8,33 @@ with strategy.scope():
 model.fit(x, y, batch_size=GLOBAL_BATCH)
 ```
 launched with ``mpirun -np 4 python train.py`` (or plain ``python train.py``).
+
+Importing the package reads the world from the launcher's variables and places this process
+(its GPU, its share of the host's cores; see placement.py) before TensorFlow starts; TensorFlow
+itself is imported only when the strategy (or ``tp.ops``) is first used, so ``tfposeidon-run``
+and ``tp.rank()`` stay fast.
 """
 
-from tf_poseidon import keras_integration as _keras_integration
-from tf_poseidon.strategy import PoseidonStrategy
+import importlib
+
+from tf_poseidon import placement as _placement
+from tf_poseidon import world as _world
 from tf_poseidon.world import WorldError, is_chief, local_rank, local_size, rank, size
 
-_keras_integration.install()
+_placement.configure_process(_world.world())
 
 __version__ = "0.1.0"
 
 __all__ = ["PoseidonStrategy", "WorldError", "rank", "size", "local_rank", "local_size",
-           "is_chief"]
+           "is_chief", "ops"]
+
+_LAZY = {"PoseidonStrategy": "tf_poseidon.strategy", "ops": None}
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tf_poseidon' has no attribute {name!r}")
+    module = _LAZY[name]
+    if module is None:
+        return importlib.import_module(f"tf_poseidon.{name}")
+    return getattr(importlib.import_module(module), name)

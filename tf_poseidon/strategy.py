@@ -30,6 +30,7 @@ from tensorflow.python.distribute import reduce_util
 
 from tf_poseidon import data as data_lib
 from tf_poseidon import initial_sync
+from tf_poseidon import keras_integration
 from tf_poseidon import world as world_lib
 from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import collectives, graph_ops
@@ -327,3 +328,6 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
             return value
         return tf.nest.map_structure(
             lambda v: gather_along(extended.engine, tf.convert_to_tensor(v), axis), value)
+
+
+keras_integration.install()

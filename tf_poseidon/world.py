@@ -115,13 +115,29 @@ def detect_world(env: Mapping[str, str] | None = None) -> World:
     return world
 
 
+def _slurm_counts_per_node(raw: str) -> list[int]:
+    """Slurm's compressed per-node list, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
+    counts = []
+    for item in raw.split(","):
+        count, _, repeat = item.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
+
+
 def _local_size_from_slurm(env: Mapping[str, str]) -> int:
-    # SLURM_NTASKS_PER_NODE may read "2" or "2(x3)"; the first count is this node's.
-    raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    # The step's per-node task counts, in node order; this node's entry is at SLURM_NODEID.
+    # (SLURM_NTASKS_PER_NODE may be the allocation's value inherited from sbatch.)
+    raw = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if not raw:
         return 1
-    head = raw.split(",")[0].split("(")[0]
-    return int(head) if head.isdigit() else 1
+    try:
+        counts = _slurm_counts_per_node(raw)
+    except ValueError:
+        raise WorldError(f"cannot read Slurm's per-node task counts {raw!r}.") from None
+    node = _first_int(env, ("SLURM_NODEID",), 0)
+    if not 0 <= node < len(counts):
+        raise WorldError(f"SLURM_NODEID={node} is outside the per-node task counts {raw!r}.")
+    return counts[node]
 
 
 _world: World | None = None
