@@ -221,3 +221,13 @@ def test_sigterm_is_forwarded_then_enforced(monkeypatch, body, expected):
     start = time.monotonic()
     assert launcher.run(job) == expected
     assert time.monotonic() - start < 10
+
+
+def test_the_programs_own_flags_are_passed_through_untouched():
+    parser = launcher.make_parser()
+    args = launcher.parse_args(parser, ["-np", "2", "--verbose", "python", "train.py",
+                                        "--verbose", "--n", "3", "-np", "7"])
+    assert args.np == 2 and args.verbose
+    assert args.command == ["python", "train.py", "--verbose", "--n", "3", "-np", "7"]
+    args = launcher.parse_args(parser, ["-np", "2", "--", "--weird-program"])
+    assert args.command == ["--weird-program"]

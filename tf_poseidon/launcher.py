@@ -183,7 +183,7 @@ def _mpi_args_agent(mpi_args: Sequence[str]) -> list[str] | None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tfposeidon-run",
+        prog="tfposeidon-run", allow_abbrev=False,
         description="Run a tf_poseidon training job on one or several machines with the "
                     "Open MPI of this Python environment (horovodrun's flags).",
         epilog="Example: tfposeidon-run -np 4 -H server1:2,server2:2 python train.py")
@@ -208,6 +208,21 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the program and its arguments, e.g. python train.py")
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parses the launcher's own flags, and takes everything from the first word that is not
+    one of them (or follows ``--``) as the command, untouched: the program's own flags may
+    look like the launcher's (``--verbose``) or like abbreviations of them (``--n``)."""
+    argv = list(argv)
+    takes_value = {flag for action in parser._actions if action.option_strings and action.nargs != 0
+                   for flag in action.option_strings}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        i += 2 if argv[i] in takes_value else 1
+    args = parser.parse_args(argv[:i] + ["--"])
+    args.command = argv[i:]
+    return args
 
 
 def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
@@ -347,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tfposeidon-run``; returns the exit status (mpirun's, or 2 for a bad
     command line, 1 for unreachable hosts)."""
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     try:
         launch = plan(args, os.environ)
     except LaunchError as e:
