@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan(*argv, environ=None):
-    args = launcher.make_parser().parse_args(list(argv))
+    args = launcher.parse_args(launcher.make_parser(), argv)
     return launcher.plan(args, {"PATH": "/usr/bin"} if environ is None else environ)
 
 

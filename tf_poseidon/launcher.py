@@ -221,14 +221,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         i += 2 if argv[i] in takes_value else 1
     args = parser.parse_args(argv[:i] + ["--"])
-    args.command = argv[i:]
+    args.command = argv[i + 1:] if argv[i:i + 1] == ["--"] else argv[i:]
     return args
 
 
 def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     """Turns parsed arguments into the mpirun command and its environment. Pure apart from
     reading a hostfile and the CPU topology; raises LaunchError on a bad command line."""
-    command = args.command[1:] if args.command[:1] == ["--"] else list(args.command)
+    command = list(args.command)
     if not command:
         raise LaunchError("no command given; e.g. tfposeidon-run -np 2 python train.py")
     hosts = (parse_hosts(args.hosts) if args.hosts else
