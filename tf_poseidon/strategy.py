@@ -156,6 +156,18 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     def should_save_summary(self) -> bool:
         return self._world.is_chief
 
+    def consistent_state(self):
+        """A context manager; within it, every rank's model variables hold the state to save,
+        export, evaluate or predict with, equal on every rank.
+
+        Call it on every rank (it may be collective). Sync mode: they always do. SSP applies
+        the pending updates (a drain); EASGD swaps the center variables in and restores the
+        local ones on exit. Checkpoint and export code (callbacks.py, export.py) uses it.
+        """
+        if not self._distributed:
+            return contextlib.nullcontext()
+        return self.synchronizer.consistent_state()
+
     # -- variables ----------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):

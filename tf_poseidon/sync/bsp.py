@@ -6,6 +6,7 @@ up to float summation order.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import tensorflow as tf
@@ -45,3 +46,7 @@ class BSPSynchronizer:
         if local_batch is not None:
             summed = batch_share.unweight_sum(summed, num_replicas)
         return summed
+
+    def consistent_state(self):
+        """Sync mode: every rank's variables are equal after every step; nothing to do."""
+        return contextlib.nullcontext()
