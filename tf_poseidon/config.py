@@ -45,6 +45,7 @@ class StrategyConfig:
     easgd_async: bool = False
     bucket_bytes: int | None = None
     overlap: bool = True
+    timeline: str | None = None
 
     def __post_init__(self):
         _choice("mode", self.mode, MODES)
@@ -70,6 +71,10 @@ class StrategyConfig:
                                               or self.bucket_bytes < 1):
             raise ValueError(f"PoseidonStrategy: bucket_bytes={self.bucket_bytes!r} is not "
                              "valid; it must be None (the default) or a positive integer.")
+        if self.timeline is not None and (not isinstance(self.timeline, str)
+                                          or not self.timeline):
+            raise ValueError(f"PoseidonStrategy: timeline={self.timeline!r} is not valid; it "
+                             "must be None or the path of the Chrome-trace JSON file to write.")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"PoseidonStrategy: overlap={self.overlap!r} is not valid; "
                              "allowed values are True and False.")

@@ -2,12 +2,16 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-four Keras functions; each wrapper acts only when the current strategy is a
+five Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
 * the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
   strategy's synchronizer, so modes and buckets apply to gradients only;
+* gradient clipping (``BaseOptimizer._clip_gradients``: ``clipnorm``, ``global_clipnorm``,
+  ``clipvalue``) moves from before that all-reduce, where Keras puts it and where it would see
+  each rank's local gradient, to after it, so it clips the reduced gradient as one process
+  would clip the gradient of the whole global batch;
 * ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (sync/batch_share.py):
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
   only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
@@ -31,6 +35,7 @@ import functools
 import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
 
@@ -61,11 +66,22 @@ def _all_reduce_sum_gradients(original):
             return original(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
         present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-        reduced = extended.reduce_gradients([grads_and_vars[i][0] for i in present])
+        reduced = extended.reduce_gradients([grads_and_vars[i][0] for i in present],
+                                            [grads_and_vars[i][1] for i in present])
+        keras_clip = keras_base_optimizer.BaseOptimizer._clip_gradients.__tf_poseidon_original__
+        reduced = keras_clip(self, reduced)
         result = [(None, v) for _, v in grads_and_vars]
         for i, g in zip(present, reduced):
             result[i] = (g, grads_and_vars[i][1])
         return result
+    return wrapper
+
+
+def _clip_gradients(original):
+    def wrapper(self, grads):
+        if _poseidon_extended() is not None and tf.distribute.get_replica_context() is not None:
+            return grads  # clipped after the all-reduce instead
+        return original(self, grads)
     return wrapper
 
 
@@ -114,12 +130,13 @@ def _reduce_per_replica(original):
 
 
 def install() -> None:
-    """Installs the four wrappers described in the module docstring (once)."""
+    """Installs the five wrappers described in the module docstring (once)."""
     global _installed
     if _installed:
         return
     _installed = True
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+    _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)

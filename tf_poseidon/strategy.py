@@ -34,6 +34,7 @@ from tf_poseidon import keras_integration
 from tf_poseidon import world as world_lib
 from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm.engine import get_engine
 from tf_poseidon.config import StrategyConfig
 from tf_poseidon.sync.bsp import BSPSynchronizer
@@ -64,6 +65,9 @@ class PoseidonStrategy(distribute_lib.Strategy):
       bucket_bytes: cap on a gradient bucket's size in bytes; None picks the default.
       overlap: communicate each bucket as soon as its gradients exist (wait-free backprop);
         False sends everything after the backward pass (the naive baseline).
+      timeline: path of a Chrome-trace JSON file (Perfetto, chrome://tracing) that rank 0
+        writes at exit with every rank's per-bucket communication events; the same as setting
+        ``TF_POSEIDON_TIMELINE`` (or ``tfposeidon-run --timeline-filename``).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -74,11 +78,13 @@ class PoseidonStrategy(distribute_lib.Strategy):
     def __init__(self, mode: str = "sync", compression: str = "none", sfb: str = "auto",
                  staleness: int = 0, tau: int = 1, alpha: float = 0.5,
                  easgd_async: bool = False, bucket_bytes: int | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, timeline: str | None = None):
         config = StrategyConfig(mode=mode, compression=compression, sfb=sfb,
                                 staleness=staleness, tau=tau, alpha=alpha,
                                 easgd_async=easgd_async, bucket_bytes=bucket_bytes,
-                                overlap=overlap)
+                                overlap=overlap, timeline=timeline)
+        if timeline:
+            os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))
         distribute_lib.distribution_strategy_gauge.get_cell("V2").set("PoseidonStrategy")
         _log_on_chief_only()
@@ -87,6 +93,20 @@ class PoseidonStrategy(distribute_lib.Strategy):
     def config(self) -> StrategyConfig:
         """The validated options this strategy was built with."""
         return self.extended.config
+
+    def stats(self, last_steps: int = 20) -> dict:
+        """This rank's communication statistics for its last ``last_steps`` training steps.
+
+        Any rank, any time, non-blocking. A dict (JSON-serialisable): ``steps`` (per step: step
+        time, communication time, the part of it overlapped with the backward pass, bytes sent
+        and received, and per bucket the same with its layers), ``per_layer`` (bytes per
+        variable per step), ``summary`` (means, and ``hidden_fraction`` = overlapped /
+        communication time). Definitions in tf_poseidon/comm/stats.py. In a world of one
+        process there is no communication: the lists are empty.
+        """
+        if not self.extended._distributed:
+            return stats_lib.step_report([], last_steps)
+        return stats_lib.step_report(self.extended.engine.stats.records(), last_steps)
 
     def __deepcopy__(self, memo):
         # Keras and tf.function may deep-copy objects holding the strategy; it is a singleton
@@ -223,11 +243,12 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         finally:
             scope.weight_by_batch_share = outer
 
-    def reduce_gradients(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def reduce_gradients(self, grads: Sequence[tf.Tensor],
+                         variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
         """Replica context: the gradients every rank applies, per the strategy's mode.
 
         Called by the Keras optimizer integration with the local gradients (dense, static
-        shapes). In sync mode: Σ_p g_p (weighted by batch share inside
+        shapes) of ``variables``. In sync mode: Σ_p g_p (weighted by batch share inside
         :meth:`batch_share_weighting`).
         """
         grads = [tf.convert_to_tensor(g) for g in grads]
@@ -235,7 +256,8 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             return grads
         scope = self._replica_scope
         local_batch = scope.local_batch if scope.weight_by_batch_share else None
-        return self.synchronizer.reduce_gradients(grads, self._world.size, local_batch)
+        names = [v.name.split(":")[0] for v in variables]
+        return self.synchronizer.reduce_gradients(grads, names, self._world.size, local_batch)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""
@@ -255,7 +277,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         plan = buckets_lib.plan_buckets(flat, backprop_order=False,
                                         first_bucket_bytes=buckets_lib.DEFAULT_BUCKET_BYTES)
         summed = graph_ops.bucketed_collective(self.engine, name, flat, plan,
-                                               collectives.allreduce_sum)
+                                               collectives.ALLREDUCE_SUM)
         if reduce_op == reduce_util.ReduceOp.MEAN:
             summed = [s / tf.cast(self._world.size, s.dtype) for s in summed]
         return summed
@@ -315,7 +337,7 @@ def gather_along(engine, tensor: tf.Tensor, axis: int) -> tf.Tensor:
     axis = axis % rank
     perm = [axis] + [d for d in range(rank) if d != axis]
     moved = tf.transpose(tensor, perm) if axis else tensor
-    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.allgather_concat)
+    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.ALLGATHER_CONCAT)
     if not axis:
         return gathered
     inverse = [perm.index(d) for d in range(rank)]

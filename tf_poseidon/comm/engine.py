@@ -30,11 +30,13 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from tf_poseidon.comm import stats as stats_lib
+from tf_poseidon.comm import timeline as timeline_lib
+from tf_poseidon.comm.collectives import Collective
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -52,20 +54,21 @@ class CollectiveGroup:
     """The buckets of one traced collective call, and their result queues.
 
     Created at trace time (one per ``all_reduce``/``gather`` call site of a traced function)
-    and on every eager call. ``run_bucket(comm, index, payload) -> np.ndarray`` is the
-    collective for one bucket; it is called on the engine thread only.
+    and on every eager call. ``collective`` runs each bucket on the engine thread;
+    ``bucket_layers[i]`` names the tensors of bucket i with their payload bytes (for stats).
     """
 
     _ids = itertools.count()
 
-    def __init__(self, name: str, num_buckets: int,
-                 run_bucket: Callable[[Any, int, np.ndarray], np.ndarray]):
+    def __init__(self, name: str, collective: Collective,
+                 bucket_layers: Sequence[Sequence[tuple[str, int]]]):
         self.id = next(self._ids)
         self.name = name
-        self.num_buckets = num_buckets
-        self.run_bucket = run_bucket
-        self._results = [queue.SimpleQueue() for _ in range(num_buckets)]
-        self._arrivals = [0] * num_buckets
+        self.collective = collective
+        self.bucket_layers = [tuple(layers) for layers in bucket_layers]
+        self.num_buckets = len(self.bucket_layers)
+        self._results = [queue.SimpleQueue() for _ in range(self.num_buckets)]
+        self._arrivals = [0] * self.num_buckets
         self._instances_started = 0
 
     def __repr__(self) -> str:
@@ -98,6 +101,7 @@ class _BucketJob:
     index: int
     payload: np.ndarray
     submitted_at: float
+    instance: int = -1
 
 
 @dataclasses.dataclass
@@ -114,11 +118,12 @@ class CommEngine:
     the engine's own.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, timeline: "timeline_lib.Timeline | None" = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.stats = stats_lib.CommStats()
+        self.timeline = timeline
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="tf_poseidon-comm", daemon=True)
         self._thread.start()
@@ -179,19 +184,26 @@ class CommEngine:
             if instance == group._instances_started:
                 group._instances_started += 1
                 order.append((group, instance))
+            job.instance = instance
             stash[(group.id, instance, job.index)] = job
 
     def _run_bucket(self, job: _BucketJob) -> None:
+        group = job.group
         start = time.perf_counter()
         try:
-            result = job.group.run_bucket(self.comm, job.index, job.payload)
+            result = group.collective.run(self.comm, job.payload)
         except BaseException as e:  # delivered to the waiting graph op, which raises it
-            result = RuntimeError(f"tf_poseidon: collective {job.group.name!r} bucket "
+            result = RuntimeError(f"tf_poseidon: collective {group.name!r} bucket "
                                   f"{job.index} failed on rank {self.rank}: {e!r}")
         end = time.perf_counter()
-        self.stats.record_bucket(job.group.name, job.index, job.payload.nbytes,
-                                 queued_at=job.submitted_at, start=start, end=end)
-        job.group._results[job.index].put(result)
+        sent, received = group.collective.wire_bytes(job.payload.nbytes, self.size)
+        self.stats.record(stats_lib.BucketRecord(
+            group.name, job.instance, job.index, group.bucket_layers[job.index],
+            job.payload.nbytes, sent, received, job.submitted_at, start, end))
+        if self.timeline is not None:
+            self.timeline.bucket(group.name, job.index, job.payload.nbytes, job.submitted_at,
+                                 start, end)
+        group._results[job.index].put(result)
 
     def _run_call(self, job: _CallJob) -> None:
         try:
@@ -206,10 +218,20 @@ _engine_lock = threading.Lock()
 
 
 def get_engine() -> CommEngine:
-    """The process's engine, started on first use (initialises MPI). Only when size() > 1."""
+    """The process's engine, started on first use (initialises MPI). Only when size() > 1.
+
+    With ``TF_POSEIDON_TIMELINE=<file>`` set (``PoseidonStrategy(timeline=...)`` and
+    ``tfposeidon-run --timeline-filename`` set it), the engine records a Chrome trace that rank
+    0 writes to that file when the process exits (timeline.py).
+    """
     global _engine
     with _engine_lock:
         if _engine is None:
             from tf_poseidon import world
-            _engine = CommEngine(world.mpi_comm())
+            comm = world.mpi_comm()
+            path = os.environ.get("TF_POSEIDON_TIMELINE")
+            timeline = timeline_lib.Timeline(comm.Get_rank(), path) if path else None
+            _engine = CommEngine(comm, timeline)
+            if timeline is not None:
+                timeline.write_at_exit(_engine)
         return _engine

@@ -23,13 +23,14 @@ earlier layers, so communication of bucket k overlaps backprop of the layers bel
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import engine as engine_lib
+from tf_poseidon.comm.collectives import Collective
 
 
 def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
@@ -57,22 +58,20 @@ def _collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.
     return flat
 
 
-RunBucket = Callable[[object, int, np.ndarray], np.ndarray]
-
-
 def bucketed_collective(engine: engine_lib.CommEngine, name: str,
                         values: Sequence[tf.Tensor], plan: Sequence[buckets_lib.Bucket],
-                        run_bucket: RunBucket,
+                        collective: Collective, names: Sequence[str] | None = None,
                         wait_for: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
-    """Runs ``run_bucket`` on every bucket of ``plan`` through the engine.
+    """Runs ``collective`` on every bucket of ``plan`` through the engine.
 
     Args:
       engine: the process's engine.
       name: names the group in stats, timelines and errors.
       values: tensors with static shapes; ``plan`` assigns each to one bucket.
       plan: from :func:`buckets.plan_buckets`.
-      run_bucket: ``(comm, bucket_index, payload) -> result`` run on the engine thread; the
-        result has the payload's shape and dtype (e.g. an in-place MPI all-reduce).
+      collective: run on the engine thread per bucket; its result has the payload's shape
+        and dtype (e.g. an in-place MPI all-reduce).
+      names: one per value, for per-layer statistics (default: positions).
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
 
@@ -80,7 +79,10 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
       One tensor per value, same shape and dtype, holding that value's part of the results.
       Works eagerly (blocks until done) and in graphs (the collect ops block when run).
     """
-    group = engine_lib.CollectiveGroup(name, len(plan), run_bucket)
+    names = list(names) if names is not None else [str(i) for i in range(len(values))]
+    layers = [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
+              for b in plan]
+    group = engine_lib.CollectiveGroup(name, collective, layers)
     with tf.control_dependencies(list(wait_for)):
         tokens = [_enqueue(engine, group, b.index, [values[i] for i in b.members],
                            b.payload_dtype) for b in plan]
@@ -95,7 +97,7 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
 
 
 def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
-                run_bucket: RunBucket) -> tf.Tensor:
+                collective: Collective) -> tf.Tensor:
     """Concatenates every rank's ``value`` along axis 0, in rank order.
 
     ``value`` may have a different leading dimension on each rank; its other dimensions must
@@ -105,7 +107,7 @@ def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
     if not inner.is_fully_defined():
         raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got {value.shape}.")
     dtype = np.dtype(value.dtype.as_numpy_dtype)
-    group = engine_lib.CollectiveGroup(name, 1, run_bucket)
+    group = engine_lib.CollectiveGroup(name, collective, [[(name, 0)]])
     token = _enqueue(engine, group, 0, [value], dtype)
     flat = _collect(group, 0, [token], dtype, None)
     return tf.reshape(flat, [-1] + inner.as_list())

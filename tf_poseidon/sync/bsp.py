@@ -26,23 +26,24 @@ class BSPSynchronizer:
         self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
         self._overlap = config.overlap
 
-    def reduce_gradients(self, grads: Sequence[tf.Tensor], num_replicas: int,
-                         local_batch: tf.Tensor | None) -> list[tf.Tensor]:
+    def reduce_gradients(self, grads: Sequence[tf.Tensor], names: Sequence[str],
+                         num_replicas: int, local_batch: tf.Tensor | None) -> list[tf.Tensor]:
         """Returns Σ_p g_p for each gradient (same shapes and dtypes); called in a replica context.
 
         With ``local_batch`` (this rank's example count in the step), each rank's gradient is
         weighted by its share of the global batch (see batch_share.py). Blocking: in a graph,
         the returned tensors' ops block until the sums are there; eagerly, the call blocks.
         """
-        values = list(grads)
+        values, names = list(grads), list(names)
         if local_batch is not None:
             values = batch_share.weight_by_share(values, local_batch)
+            names.append("batch_share")
         plan = buckets_lib.plan_buckets(values, self._bucket_bytes,
                                         min(self._bucket_bytes,
                                             buckets_lib.DEFAULT_FIRST_BUCKET_BYTES))
         wait_for = list(values) if not self._overlap else []
         summed = graph_ops.bucketed_collective(self._engine, "gradients", values, plan,
-                                               collectives.allreduce_sum, wait_for)
+                                               collectives.ALLREDUCE_SUM, names, wait_for)
         if local_batch is not None:
             summed = batch_share.unweight_sum(summed, num_replicas)
         return summed
