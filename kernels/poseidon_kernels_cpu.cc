@@ -1,6 +1,6 @@
 // CPU arithmetic of the tf_poseidon kernels. Element loops are written to auto-vectorise (see
 // convert.h) and are split over TensorFlow's intra-op thread pool in blocks of kBlock elements;
-// the SFB product is an Eigen contraction on TensorFlow's Eigen thread-pool device.
+// the SFB product is Eigen's GEMM on tiles of the output, the tiles split over the same pool.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -9,7 +9,7 @@
 
 #include "poseidon_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "unsupported/Eigen/CXX11/Tensor"
+#include "Eigen/Core"
 
 namespace poseidon {
 
@@ -88,6 +88,11 @@ void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunk
   }
 }
 
+// Output tile of SfbReconstruct, one Eigen GEMM each: 64 rows by up to 4096 columns measured
+// 1.1-1.2x faster than one Eigen tensor contraction over the same pool (docs/kernels.md).
+constexpr int64_t kSfbTileRows = 64;
+constexpr int64_t kSfbTileCols = 4096;
+
 // Points *result at `tensor` as float32 times `scale`: `tensor` itself when it is float32 and
 // scale is 1, else `*temp`, a converted copy.
 Status AsScaledFloat(OpKernelContext* ctx, const Tensor& tensor, float scale, Tensor* temp,
@@ -128,21 +133,32 @@ void Backend<CPUDevice>::SumChunks(OpKernelContext* ctx, const Tensor& chunks, f
 template <>
 void Backend<CPUDevice>::SfbReconstruct(OpKernelContext* ctx, const Tensor& u, const Tensor& v,
                                         float scale, Tensor* out) {
-  auto grad = out->matrix<float>();
-  const CPUDevice& device = ctx->eigen_device<CPUDevice>();
-  if (u.dim_size(0) == 0) {
-    grad.device(device) = grad.constant(0.0f);
-    return;
-  }
   Tensor u_temp;
   Tensor v_temp;
   const Tensor* u_float;
   const Tensor* v_float;
   OP_REQUIRES_OK(ctx, AsScaledFloat(ctx, u, scale, &u_temp, &u_float));
   OP_REQUIRES_OK(ctx, AsScaledFloat(ctx, v, 1.0f, &v_temp, &v_float));
-  const Eigen::array<Eigen::IndexPair<Eigen::DenseIndex>, 1> rows = {
-      Eigen::IndexPair<Eigen::DenseIndex>(0, 0)};
-  grad.device(device) = u_float->matrix<float>().contract(v_float->matrix<float>(), rows);
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const int64_t rows = u.dim_size(0);
+  const int64_t m = u.dim_size(1);
+  const int64_t n = v.dim_size(1);
+  const Eigen::Map<const RowMajor> u_map(u_float->flat<float>().data(), rows, m);
+  const Eigen::Map<const RowMajor> v_map(v_float->flat<float>().data(), rows, n);
+  Eigen::Map<RowMajor> grad(out->flat<float>().data(), m, n);
+  const int64_t tiles_n = (n + kSfbTileCols - 1) / kSfbTileCols;
+  const int64_t tiles = (m + kSfbTileRows - 1) / kSfbTileRows * tiles_n;
+  ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
+      tiles, 2 * rows * kSfbTileRows * kSfbTileCols, [&](int64_t first, int64_t last) {
+        for (int64_t tile = first; tile < last; ++tile) {
+          const int64_t m0 = tile / tiles_n * kSfbTileRows;
+          const int64_t n0 = tile % tiles_n * kSfbTileCols;
+          const int64_t tile_m = std::min(kSfbTileRows, m - m0);
+          const int64_t tile_n = std::min(kSfbTileCols, n - n0);
+          grad.block(m0, n0, tile_m, tile_n).noalias() =
+              u_map.block(0, m0, rows, tile_m).transpose() * v_map.block(0, n0, rows, tile_n);
+        }
+      });
 }
 
 }  // namespace poseidon
