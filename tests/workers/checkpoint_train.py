@@ -1,0 +1,101 @@
+"""Worker for tests/test_checkpoints.py: trains with tp.callbacks, optionally dies mid-run.
+
+    checkpoint_train.py OUT [--reference] [--backup DIR [--interrupt-after K]]
+
+Every rank works in OUT/rank<r>/ (its own working directory, so a file a non-chief rank wrote
+through a relative path would show up there) and seeds with its own rank (rank 0's initial
+values, or the restored backup, must reach the others); every model starts from that seed.
+
+* ``--reference``: trains EPOCHS epochs uninterrupted with two ModelCheckpoints (relative paths
+  ``ckpt/epoch<e>.weights.h5`` and ``best.keras``) and a BackupAndRestore (``backup``, deleted
+  at the end); writes OUT/reference_rank<r>.npz.
+* ``--backup DIR``: then trains a fresh model with BackupAndRestore(DIR) (resuming from it if
+  it holds a backup); with ``--interrupt-after K`` every rank SIGKILLs itself at the end of
+  epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_poseidon as tp  # noqa: E402
+from tf_poseidon import callbacks as tp_callbacks  # noqa: E402
+
+GLOBAL_BATCH = 60
+ROWS = 700  # 11 full global batches and one of 40 rows: uneven shares at P=3
+EPOCHS = 4
+
+
+def data():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(ROWS, 12)).astype("float32")
+    y = (x[:, :5].sum(1) > 0).astype("int32") + (x[:, 5:9].sum(1) > 1).astype("int32")
+    return x, y
+
+
+def new_model(strategy) -> keras.Model:
+    keras.utils.set_random_seed(100 + tp.rank())  # the same start for every run of the job
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class KillAfter(keras.callbacks.Callback):
+    """SIGKILLs this process at the end of epoch ``k`` (1-based), like a preempted host."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.k:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(model, callbacks, out):
+    x, y = data()
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                        callbacks=callbacks, verbose=0)
+    np.savez(out, loss=np.array(history.history["loss"]),
+             weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
+             optimizer=np.concatenate([np.ravel(v.numpy()) for v in model.optimizer.variables]))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--backup")
+    parser.add_argument("--interrupt-after", type=int)
+    args = parser.parse_args()
+    out = os.path.abspath(args.out)
+    workdir = os.path.join(out, f"rank{tp.rank()}")
+    os.makedirs(workdir, exist_ok=True)
+    os.chdir(workdir)
+    strategy = tp.PoseidonStrategy()
+    if args.reference:
+        callbacks = [
+            tp_callbacks.ModelCheckpoint("ckpt/epoch{epoch}.weights.h5", save_weights_only=True),
+            tp_callbacks.ModelCheckpoint("best.keras", monitor="loss", save_best_only=True),
+            tp_callbacks.BackupAndRestore("backup"),
+        ]
+        train(new_model(strategy), callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
+    if args.backup:
+        callbacks = [tp_callbacks.BackupAndRestore(args.backup)]
+        if args.interrupt_after:
+            callbacks.append(KillAfter(args.interrupt_after))
+        train(new_model(strategy), callbacks, os.path.join(out, f"resumed_rank{tp.rank()}"))
+    print(f"rank {tp.rank()} done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
