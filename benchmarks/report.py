@@ -138,8 +138,10 @@ def derive(results: list[dict]) -> list[dict]:
         row["compute_s"] = compute_s
         row["wire_bytes_per_step"] = wire
         row["overhead"] = r["step_s"] / compute_s if _ok(r) and compute_s else None
+        distributed = CONFIG_BY_NAME.get(r["config"], Config("", "", "")).kind in (
+            "mwms", "poseidon")
         row["vs_mwms"] = (r["samples_per_s"] / mwms["samples_per_s"]
-                          if _ok(r) and _ok(mwms) else None)
+                          if distributed and _ok(r) and _ok(mwms) else None)
         row["vs_one_process"] = (r["samples_per_s"] / single["samples_per_s"]
                                  if _ok(r) and _ok(single) else None)
         floor = compute_s
@@ -168,8 +170,13 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
             notes.append(f"sends {ratio:.0%} of DWBP's bytes: the option saved no traffic")
         else:
             notes.append(f"sends {ratio:.0%} of DWBP's bytes")
+    engine = []
+    if r.get("engine_bytes_per_step") is not None:
+        engine.append(f"{r['engine_bytes_per_step'] / 1e6:.1f} MB/step sent")
     if r.get("hidden_fraction") is not None:
-        notes.append(f"engine: {r['hidden_fraction']:.0%} of comm. overlapped")
+        engine.append(f"{r['hidden_fraction']:.0%} of comm. overlapped")
+    if engine:
+        notes.append("tf_poseidon stats: " + ", ".join(engine))
     return "; ".join(notes)
 
 
@@ -228,7 +235,7 @@ def _goal_cell(value, goal, met, sense: str) -> str:
 def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
     """The results as table lines (markdown, or aligned plain text for the console)."""
     head = ["model", "hosts × link", "configuration", "samples/s", "step s", "× compute",
-            "× MWMS", "wire MB/step", "floor s", "notes"]
+            "× MWMS", "wire MB/step", "floor s", "load", "notes"]
     body = []
     for r in rows:
         body.append([
@@ -242,6 +249,7 @@ def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
             _num(None if r.get("wire_bytes_per_step") is None
                  else r["wire_bytes_per_step"] / 1e6, ".1f"),
             _num(r.get("floor_s"), ".3f"),
+            _num(r.get("loadavg"), ".1f"),
             r.get("notes") or "",
         ])
     return _table(head, body, markdown)
@@ -339,6 +347,8 @@ DEFINITIONS = """\
   steps — everything on the wire: payload, TCP/IP and Ethernet headers, control messages.
 - **floor s**: the physical limit of a step, max(compute-only step, wire bytes ÷ link
   bandwidth).
+- **load**: the machine's 1-minute load average at the end of the configuration (2 cores;
+  other jobs share the machine, so figures measured at a high load are pessimistic).
 - **concurrent**: P copies of the one-process run on the P hosts at once, with no
   communication: what sharing this machine's cores costs by itself (with 4 ranks on 2 cores
   each rank has half a core, so nothing distributed can beat this row there).
@@ -430,45 +440,61 @@ def markdown(run: dict) -> str:
 
 def chart(run: dict, path: str) -> None:
     """A PNG of samples/s per configuration: one panel per model, bars grouped by
-    hosts × link, the one-process figure as a dashed line. Needs matplotlib."""
+    hosts × link; the one-process figure as a dashed line across the panel and the
+    P-processes-without-communication figure as a dotted line over its group. Needs
+    matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = derive(run["results"])
-    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
-    if not models:
-        models = ["fc"]
-    fig, axes = plt.subplots(len(models), 1, figsize=(11, 3.6 * len(models)), squeeze=False)
-    names = [c.name for c in CONFIGS if c.name != "single"]
+    models = [m for m in MODELS if any(r["model"] == m for r in rows)] or ["fc"]
+    fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)
+    names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")]
     colors = plt.get_cmap("tab10")
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         combos = sorted({(r["ranks"], r["bandwidth"]) for r in mine if r["ranks"] > 1},
                         key=lambda c: (c[0], rate_bits(c[1]) or 0))
-        width = 0.8 / max(1, len(names))
+        width = 0.8 / len(names)
+        top = max([r["samples_per_s"] for r in mine if _ok(r) and r["config"] != "concurrent"]
+                  or [1.0])
+        missing = []
         for i, name in enumerate(names):
             for j, (ranks, bandwidth) in enumerate(combos):
                 r = find(mine, model, name, ranks, bandwidth)
                 x = j + (i - (len(names) - 1) / 2) * width
+                label = name if j == 0 else None
                 if _ok(r):
-                    ax.bar(x, r["samples_per_s"], width, color=colors(i % 10),
-                           label=name if j == 0 else None)
+                    ax.bar(x, r["samples_per_s"], width, color=colors(i % 10), label=label)
+                    ax.annotate(f"{r['samples_per_s']:.1f}", (x, r["samples_per_s"]),
+                                ha="center", va="bottom", fontsize=6)
                 elif r is not None:
-                    ax.bar(x, 0, width, color=colors(i % 10), label=name if j == 0 else None)
-                    ax.annotate("n/a" if r["status"] == "not available" else "✗", (x, 0),
-                                ha="center", va="bottom", fontsize=7, rotation=90)
+                    ax.bar(x, 0, width, color=colors(i % 10), label=label)
+                    missing.append((x, "n/a" if r["status"] == "not available" else "failed"))
+        for x, text in missing:
+            ax.annotate(text, (x, 0.02 * top), ha="center", va="bottom", fontsize=6,
+                        rotation=90, color="gray")
+        for j, (ranks, bandwidth) in enumerate(combos):
+            r = find(mine, model, "concurrent", ranks, bandwidth)
+            if _ok(r):
+                ax.hlines(r["samples_per_s"], j - 0.45, j + 0.45, colors="black",
+                          linestyles="dotted", label="P processes, no comm." if j == 0 else None)
+                ax.annotate(f"{r['samples_per_s']:.1f}", (j + 0.45, r["samples_per_s"]),
+                            ha="left", va="center", fontsize=6)
         single = find(mine, model, "single")
         if _ok(single):
             ax.axhline(single["samples_per_s"], color="black", linestyle="--", linewidth=1,
-                       label="one process")
+                       label=f"one process ({single['samples_per_s']:.1f})")
         ax.set_xticks(range(len(combos)))
         ax.set_xticklabels([link_label(b, n) for n, b in combos])
+        ax.set_xlim(-0.6, max(1, len(combos)) - 0.4)
         ax.set_ylabel("samples/s (all ranks)")
         ax.set_title(MODELS[model].title if model in MODELS else model)
-        ax.legend(fontsize=7, ncol=5, loc="upper right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("tf_poseidon vs MultiWorkerMirroredStrategy, emulated Ethernet, "
-                 "batch 32 per rank")
+                 f"batch {run['settings']['batch']} per rank")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

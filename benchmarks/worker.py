@@ -224,6 +224,21 @@ def main_mwms(args, recorder: Recorder) -> None:
         train_step(iterator).numpy()
         recorder.step_end()
     recorder.write()
+    # TF's coordination service keeps a finished worker alive until its peers' heartbeats
+    # time out (~100 s per run, measured). Once every rank has written its result, every
+    # rank is past its last collective, so leaving at once loses nothing.
+    wait_for_results(args, size)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def wait_for_results(args, size: int, timeout_s: float = 120.0) -> None:
+    """Blocks until every rank's result file exists (or ``timeout_s`` passes)."""
+    paths = [os.path.join(args.out, f"{args.name}.rank{r}.json") for r in range(size)]
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def main(argv=None) -> int:
