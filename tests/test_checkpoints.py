@@ -2,9 +2,10 @@
 
 Real jobs (tests/workers/checkpoint_train.py, checkpoint_kill.py). One P=2 job trains the
 reference run (4 epochs with ModelCheckpoints and a BackupAndRestore), then a second run that
-every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=2, P=1 (no launcher)
-and P=3, and must end with the reference's weights and optimizer state. Checkpoint files are
-loaded here, in a process that did not write them.
+every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and
+P=3, and must end with the reference's weights and optimizer state (the example, too, resumes
+a P=2 run's checkpoint at P=1). Checkpoint files are loaded here, in a process that did not
+write them.
 """
 
 import json
@@ -74,7 +75,7 @@ def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     assert sorted(os.listdir(backup)) == sorted([metadata["weights"], "training_metadata.json"])
 
 
-@pytest.mark.parametrize("num_ranks", [2, 0, 3], ids=["P=2", "P=1", "P=3"])
+@pytest.mark.parametrize("num_ranks", [0, 3], ids=["P=1", "P=3"])
 def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     backup = tmp_path / "backup"
     shutil.copytree(interrupted / "backup", backup)  # resuming deletes it at the end
@@ -123,3 +124,15 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     model.load_weights(tmp_path / "backup" / metadata["weights"])
     assert [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights] == \
         pytest.approx(epoch1, rel=1e-12)
+
+
+def test_example_trains_resumes_at_another_size_and_exports(tmp_path):
+    example = os.path.join(os.path.dirname(WORKERS), os.pardir, "examples",
+                           "train_checkpoint_export.py")
+    first = check(run_job(2, example, "--epochs", "2", "--verbose", "0", cwd=str(tmp_path))[0])
+    assert "exported to export/1" in first
+    second = check(run_job(0, example, "--epochs", "3", "--resume", "--verbose", "0",
+                           cwd=str(tmp_path))[0])
+    assert "resuming from checkpoints/epoch02.keras on 1 rank(s)" in second
+    assert "after 3 epochs; exported to export/2" in second
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [f"epoch0{e}.keras" for e in (1, 2, 3)]
