@@ -39,6 +39,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -313,14 +314,19 @@ def _last_line(path: str) -> str:
         return "none (did not start training)"
 
 
+_NOISE = ("WARNING: All log messages before absl::InitializeLog()", "oneDNN custom operations",
+          "cpu_feature_guard", "To enable the following instructions")
+
+
 def _error_line(log: str) -> str:
-    """The most telling line of a failed job's output."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for marker in ("Error", "error", "Exception", "Traceback", "Killed"):
-        found = [line for line in lines if marker in line]
-        if found:
-            return found[-1][:400]
-    return lines[-1][:400] if lines else "no output"
+    """The most telling line of a failed job's output: the last ``SomethingError: ...`` line,
+    else the last line that is not TensorFlow's start-up chatter."""
+    lines = [line.strip() for line in log.splitlines()
+             if line.strip() and not any(n in line for n in _NOISE)]
+    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception|Exit)\b:?", line)
+              or "Killed" in line or "ABORT" in line.upper()]
+    found = errors or lines
+    return found[-1][:400] if found else "no output"
 
 
 # -- the whole run ----------------------------------------------------------------------------
@@ -454,14 +460,18 @@ def run_suite(settings: dict, emulate: bool, emulation: str, output: Output, com
                     say(f"      → {_summary(result)}")
                     output.save(run)
         run["status"] = "complete"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Ctrl-C, or SIGTERM/SIGHUP (SystemExit while a cluster is open); the cluster has
+        # been torn down by now. SystemExit goes on after the results are saved.
         run["status"] = "interrupted"
         if current is not None:
             model, name, ranks, bandwidth = current
             run["results"].append({"model": model, "config": name, "ranks": ranks,
                                    "bandwidth": bandwidth, "status": "interrupted",
-                                   "message": "Ctrl-C during this configuration"})
+                                   "message": f"{type(e).__name__} during this configuration"})
         say(f"\n[{_clock(t0)}] interrupted; writing what was measured")
+        if isinstance(e, SystemExit):
+            raise
     finally:
         run["finished"] = _now()
         output.save(run)
