@@ -206,7 +206,9 @@ def goals(rows: list[dict]) -> list[dict]:
              "best_samples_per_s": best["samples_per_s"] if best else None,
              "vs_mwms": best and best["vs_mwms"], "goal_vs_mwms": goal_mwms,
              "vs_one_process": best and best["vs_one_process"], "goal_vs_one_process": goal_one,
-             "overhead": best and best["overhead"], "goal_overhead": GOAL_STEP_OVER_COMPUTE}
+             "overhead": best and best["overhead"], "goal_overhead": GOAL_STEP_OVER_COMPUTE,
+             "over_floor": (best["step_s"] / best["floor_s"]
+                            if best and best.get("floor_s") else None)}
         g["met_vs_mwms"] = None if g["vs_mwms"] is None else g["vs_mwms"] >= goal_mwms
         g["met_vs_one_process"] = (None if g["vs_one_process"] is None or goal_one is None
                                    else g["vs_one_process"] >= goal_one)
@@ -257,7 +259,7 @@ def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
 
 def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
     head = ["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
-            "vs one process", "step ÷ compute-only step"]
+            "vs one process", "step ÷ compute-only step", "step ÷ floor"]
     body = []
     for g in goal_rows:
         overhead = ("not measured" if g["overhead"] is None else
@@ -272,6 +274,7 @@ def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
             _goal_cell(g["vs_one_process"], g["goal_vs_one_process"], g["met_vs_one_process"],
                        "≥"),
             overhead,
+            _num(g["over_floor"], ".2f", "×"),
         ])
     return _table(head, body, markdown)
 
@@ -346,7 +349,8 @@ DEFINITIONS = """\
   transmit counter (`/proc/net/dev` inside the host's namespace) before and after the timed
   steps — everything on the wire: payload, TCP/IP and Ethernet headers, control messages.
 - **floor s**: the physical limit of a step, max(compute-only step, wire bytes ÷ link
-  bandwidth).
+  bandwidth); **step ÷ floor** in the goal table says how far the best configuration is from
+  it (1.00× = nothing left to gain without sending fewer bytes or computing faster).
 - **load**: the machine's 1-minute load average at the end of the configuration (2 cores;
   other jobs share the machine, so figures measured at a high load are pessimistic).
 - **concurrent**: P copies of the one-process run on the P hosts at once, with no
@@ -397,8 +401,9 @@ def markdown(run: dict) -> str:
         "",
         *goal_table(goals(rows)),
         "",
-        "DESIGN.md's anchor figures (measured earlier, through `mpirun` with Open MPI's "
-        "default core binding, which docs/cluster.md found distorting) against this run:",
+        "DESIGN.md's anchor figures (measured earlier on this machine, before docs/cluster.md "
+        "found that Open MPI's default core binding distorted figures taken through `mpirun`; "
+        "the machine's load then is not known) against this run:",
         "",
         *anchor_table(rows),
         "",

@@ -369,8 +369,8 @@ def environment() -> dict[str, str]:
         "Python": platform.python_version(),
         "TensorFlow": tf_v, "Keras": keras_v, "Open MPI": ompi, "mpi4py": mpi4py_v,
         "tf_poseidon commit": git,
-        "load average at start (1 min)": f"{os.getloadavg()[0]:.2f} (other jobs share "
-                                         "the machine; see each result's loadavg in the JSON)",
+        "load average at start (1 min)": f"{os.getloadavg()[0]:.2f} (other jobs may share "
+                                         "the machine: see the load column)",
     }
 
 
