@@ -15,10 +15,12 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 
 from multirank import WORKERS, check, job_env, run_job
+from tf_poseidon import callbacks as tp_callbacks
 
 EPOCHS, INTERRUPT_AFTER = 4, 2
 TOLERANCE = 1e-5
@@ -51,7 +53,6 @@ def test_only_rank0_writes_checkpoints(interrupted):
 
 
 def test_checkpoints_hold_the_final_state(interrupted):
-    import keras
     reference = np.load(interrupted / "reference_rank0.npz")
     assert all(np.diff(reference["loss"]) < 0)  # so best.keras is the last epoch's model
     model = keras.models.load_model(interrupted / "rank0" / "best.keras")
@@ -98,7 +99,6 @@ def wait_for(condition, process, timeout_s: float, what: str) -> None:
 
 
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
-    import keras
     process = subprocess.Popen([sys.executable, os.path.join(WORKERS, "checkpoint_kill.py"),
                                 str(tmp_path)], env=job_env(), stdout=subprocess.DEVNULL)
     try:
@@ -137,3 +137,61 @@ def test_example_trains_resumes_and_exports(tmp_path):
     assert "resuming from checkpoints/epoch01.keras on 1 rank(s)" in second
     assert "after 2 epochs; exported to export/2" in second
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch01.keras", "epoch02.keras"]
+
+
+
+# -- one process, plain Keras (no strategy) ---------------------------------------------------
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAfter(keras.callbacks.Callback):
+    def __init__(self, epochs: int):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epochs:
+            raise Interrupted()
+
+
+def plain_fit(callbacks, epochs=5) -> tuple[keras.Model, list]:
+    keras.utils.set_random_seed(1)
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    history = model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=epochs, shuffle=False,
+                        callbacks=callbacks, verbose=0)
+    return model, history.history["loss"]
+
+
+def test_plain_keras_double_checkpoint_falls_back_to_previous(tmp_path):
+    backup = tmp_path / "backup"
+    with pytest.raises(Interrupted):
+        plain_fit([tp_callbacks.BackupAndRestore(str(backup), double_checkpoint=True),
+                   InterruptAfter(3)])
+    with open(backup / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert (metadata["epoch"], metadata["previous"]["epoch"]) == (3, 2)
+    assert sorted(os.listdir(backup)) == sorted([metadata["weights"],
+                                                 metadata["previous"]["weights"],
+                                                 "training_metadata.json"])
+    (backup / metadata["weights"]).write_bytes(b"lost to a disk error")
+    resumed, losses = plain_fit([tp_callbacks.BackupAndRestore(str(backup),
+                                                               double_checkpoint=True)])
+    assert len(losses) == 3  # restarted after epoch 2, from the previous backup
+    assert not backup.exists()
+    reference, reference_losses = plain_fit([])
+    assert losses == pytest.approx(reference_losses[2:], abs=TOLERANCE)
+    for ours, theirs in zip(resumed.weights, reference.weights):
+        assert max_difference(ours.numpy(), theirs.numpy()) <= TOLERANCE
+
+
+def test_plain_keras_checkpoint_path_that_is_a_directory(tmp_path):
+    (tmp_path / "model.keras").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        plain_fit([tp_callbacks.ModelCheckpoint(str(tmp_path / "model.keras"))], epochs=1)
+    plain_fit([tp_callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="loss",
+                                            save_best_only=True, verbose=1)], epochs=2)
+    assert sorted(os.listdir(tmp_path)) == ["best.keras", "model.keras"]

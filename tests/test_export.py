@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.core.protobuf import saved_model_pb2
 
 from multirank import WORKERS, check, job_env, run_job
+from tf_poseidon.export import atomic_path, export_for_serving
 
 DENIED_OPS = {"PyFunc", "PyFuncStateless", "EagerPyFunc"}
 CUSTOM_OP_PREFIX = "Poseidon"  # kernels/poseidon_ops.cc: PoseidonPack, PoseidonUnpack, ...
@@ -30,7 +34,6 @@ def exported(tmp_path_factory):
 
 
 def read_saved_model(version_dir):
-    from tensorflow.core.protobuf import saved_model_pb2
     saved_model = saved_model_pb2.SavedModel()
     with open(os.path.join(version_dir, "saved_model.pb"), "rb") as f:
         saved_model.ParseFromString(f.read())
@@ -75,7 +78,6 @@ def test_signature_names_and_batch_dimension(exported):
 
 
 def test_only_stock_tensorflow_ops(exported):
-    import tensorflow as tf
     (meta_graph,) = read_saved_model(exported / "rank0" / "export" / "1").meta_graphs
     ops = op_types(meta_graph)
     assert {"MatMul", "RestoreV2"} <= ops  # the scan sees the model and the loader
@@ -118,13 +120,11 @@ def test_saved_model_cli_run(exported, tmp_path):
 
 @pytest.fixture(scope="module")
 def sequential():
-    import keras
     return keras.Sequential([keras.Input((4,), name="measurements"),
                              keras.layers.Dense(2, name="probabilities")])
 
 
 def test_versions_count_up_and_are_never_overwritten(tmp_path, sequential):
-    from tf_poseidon.export import export_for_serving
     export = tmp_path / "export"
     assert export_for_serving(sequential, export) == os.path.join(export, "1")
     assert export_for_serving(sequential, str(export), version=5) == os.path.join(export, "5")
@@ -141,8 +141,6 @@ def test_versions_count_up_and_are_never_overwritten(tmp_path, sequential):
 
 
 def test_bad_arguments(tmp_path, sequential):
-    import keras
-    from tf_poseidon.export import export_for_serving
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="not a directory"):
         export_for_serving(sequential, tmp_path / "file")
@@ -169,7 +167,6 @@ def test_bad_arguments(tmp_path, sequential):
 
 
 def test_atomic_path_keeps_the_old_file_when_the_writer_fails(tmp_path):
-    from tf_poseidon.export import atomic_path
     target = tmp_path / "model.keras"
     target.write_text("old")
     (tmp_path / ".tp-tmp-1-model.keras").write_text("killed mid-write")
@@ -190,7 +187,6 @@ def test_atomic_path_keeps_the_old_file_when_the_writer_fails(tmp_path):
 
 def test_op_scan_sees_py_functions(tmp_path):
     # The scan of test_only_stock_tensorflow_ops would catch a numpy_function in the export.
-    import tensorflow as tf
     module = tf.Module()
     module.serve = tf.function(lambda x: tf.numpy_function(np.negative, [x], tf.float32),
                                input_signature=[tf.TensorSpec([None], tf.float32)])

@@ -34,7 +34,7 @@ from keras.src.utils import io_utils
 
 from tf_poseidon.export import atomic_path, consistent_state, run_on_chief
 
-_BACKUP_WEIGHTS = re.compile(r"backup-(\d+)\.weights\.h5")
+_BACKUP_WEIGHTS = re.compile(r"backup-\d+\.weights\.h5")
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
