@@ -113,6 +113,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             if previous is None:
                 raise
             self._restore(previous)
+            # The next backup's "previous" is the one just restored, not the unreadable one.
+            self._committed = {**previous, "serial": self._committed["serial"],
+                               "previous": None}
 
     def _restore(self, entry: dict) -> None:
         """Loads the backup ``entry`` names into the model and optimizer; sets the epoch."""
