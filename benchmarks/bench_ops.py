@@ -5,8 +5,9 @@
     and vs a plain memory copy (numpy) of the same 100 MB measured in the same run;
 (b) sfb_reconstruct vs ``tf.matmul(U, V, transpose_a=True)`` for SFB shapes of the VGG head.
 
-Candidates are timed interleaved (A, B, A, B, ...) and the best of ``--repeats`` runs is reported
-with the median, since other processes may share the machine. Prints markdown tables.
+Candidates are timed interleaved (A, B, A, B, ...); the best wall time of ``--repeats`` runs is
+reported with the median, and the median CPU time of the process (all threads) per call, which
+other processes sharing the machine disturb less. Prints markdown tables.
 
     python -m benchmarks.bench_ops [--repeats 15]     # from the repository root
 """
@@ -27,16 +28,34 @@ from tf_poseidon import ops
 MB = 1e6
 
 
-def timings(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each candidate, runs interleaved, after one warm-up call each."""
+class Timing:
+    """Wall-clock and process CPU seconds of each run of one candidate."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def best_ms(self) -> float:
+        return 1e3 * min(self.wall)
+
+    def median_ms(self) -> float:
+        return 1e3 * float(np.median(self.wall))
+
+    def cpu_ms(self) -> float:
+        return 1e3 * float(np.median(self.cpu))
+
+
+def timings(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+    """Times each candidate ``repeats`` times, runs interleaved, after one warm-up call each."""
     for fn in candidates.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in candidates}
+    times = {name: Timing() for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            cpu, wall = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].wall.append(time.perf_counter() - wall)
+            times[name].cpu.append(time.process_time() - cpu)
     return times
 
 
@@ -77,21 +96,22 @@ def bench_pack_unpack(repeats: int) -> list[str]:
         "composite pack+unpack, tf.function": (tf.function(composite_roundtrip), 3.0),
     }
     times = timings({name: call for name, (call, _) in candidates.items()}, repeats)
-    best = {name: min(t) for name, t in times.items()}
-    memcpy_rate = 2.0 * nbytes / best["memcpy (numpy copy, 1 thread)"]
-    composite_best = min(best["composite pack+unpack, eager"], best["composite pack+unpack, tf.function"])
+    memcpy_rate = 2.0 * nbytes / times["memcpy (numpy copy, 1 thread)"].best_ms()
+    composite_ms = min(times[f"composite pack+unpack, {mode}"].best_ms() for mode in ("eager", "tf.function"))
     rows = [
         f"(a) pack + unpack, {len(tensors)} float32 tensors, {nbytes / MB:.0f} MB, float16 wire, scale 1/64",
         "",
-        "| candidate | best ms | median ms | GB/s (read+write) | % of memcpy GB/s | speed-up vs best composite |",
-        "|---|---|---|---|---|---|",
+        "| candidate | best ms | median ms | CPU ms | GB/s (read+write, best) | % of memcpy GB/s "
+        "| speed-up vs best composite |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, (_, traffic) in candidates.items():
-        rate = traffic * nbytes / best[name]
-        speedup = f"{composite_best / best[name]:.2f}" if "pack+unpack" in name else ""
+        timing = times[name]
+        rate = traffic * nbytes / timing.best_ms()
+        speedup = f"{composite_ms / timing.best_ms():.2f}" if "pack+unpack" in name else ""
         rows.append(
-            f"| {name} | {best[name] * 1e3:.1f} | {np.median(times[name]) * 1e3:.1f} "
-            f"| {rate / 1e9:.1f} | {100 * rate / memcpy_rate:.0f}% | {speedup} |"
+            f"| {name} | {timing.best_ms():.1f} | {timing.median_ms():.1f} | {timing.cpu_ms():.1f} "
+            f"| {rate / 1e6:.1f} | {100 * rate / memcpy_rate:.0f}% | {speedup} |"
         )
     return rows
 
@@ -101,8 +121,9 @@ def bench_sfb(repeats: int) -> list[str]:
     rows = [
         "(b) sfb_reconstruct vs tf.matmul(U, V, transpose_a=True), float32 [M, N] out",
         "",
-        "| R, M, N | inputs | tf best ms | compiled best ms | tf median ms | compiled median ms | compiled/tf (best) |",
-        "|---|---|---|---|---|---|---|",
+        "| R, M, N | inputs | tf best / median / CPU ms | compiled best / median / CPU ms "
+        "| compiled/tf best | compiled/tf CPU |",
+        "|---|---|---|---|---|---|",
     ]
     for r, m, n in [(64, 25088, 4096), (64, 4096, 4096), (128, 4096, 1000)]:
         u32 = tf.constant(rng.standard_normal((r, m)).astype(np.float32))
@@ -120,10 +141,12 @@ def bench_sfb(repeats: int) -> list[str]:
         }
         for inputs, (reference, compiled) in cases.items():
             times = timings({"tf": reference, "compiled": compiled}, repeats)
-            tf_t, ours = times["tf"], times["compiled"]
+            ref, ours = times["tf"], times["compiled"]
             rows.append(
-                f"| {r}, {m}, {n} | {inputs} | {min(tf_t) * 1e3:.1f} | {min(ours) * 1e3:.1f} "
-                f"| {np.median(tf_t) * 1e3:.1f} | {np.median(ours) * 1e3:.1f} | {min(ours) / min(tf_t):.2f} |"
+                f"| {r}, {m}, {n} | {inputs} "
+                f"| {ref.best_ms():.1f} / {ref.median_ms():.1f} / {ref.cpu_ms():.1f} "
+                f"| {ours.best_ms():.1f} / {ours.median_ms():.1f} / {ours.cpu_ms():.1f} "
+                f"| {ours.best_ms() / ref.best_ms():.2f} | {ours.cpu_ms() / ref.cpu_ms():.2f} |"
             )
     return rows
 
@@ -135,12 +158,13 @@ def main() -> None:
     if not ops.available():
         raise SystemExit("the compiled ops are not available")
     print(
-        f"TensorFlow {tf.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, best and median of {args.repeats} interleaved runs\n"
+        f"TensorFlow {tf.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{args.repeats} interleaved runs, load average at start {os.getloadavg()[0]:.1f}\n"
     )
     print("\n".join(bench_pack_unpack(args.repeats)))
     print()
     print("\n".join(bench_sfb(args.repeats)))
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
