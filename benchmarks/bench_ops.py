@@ -59,8 +59,10 @@ def timings(candidates: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return times
 
 
-def gradient_like_tensors(rng: np.random.Generator, count: int, total_bytes: float) -> list[tf.Tensor]:
-    """``count`` float32 tensors of log-uniform sizes (like a network's layers) summing to total_bytes."""
+def gradient_like_tensors(
+    rng: np.random.Generator, count: int, total_bytes: float
+) -> list[tf.Tensor]:
+    """``count`` float32 tensors of log-uniform sizes (like layers) totalling ``total_bytes``."""
     weights = 10.0 ** rng.uniform(0, 3, size=count)
     sizes = np.maximum(1, (weights / weights.sum() * total_bytes / 4).astype(np.int64))
     return [tf.constant(rng.standard_normal(int(n)).astype(np.float32)) for n in sizes]
@@ -97,9 +99,12 @@ def bench_pack_unpack(repeats: int) -> list[str]:
     }
     times = timings({name: call for name, (call, _) in candidates.items()}, repeats)
     memcpy_rate = 2.0 * nbytes / times["memcpy (numpy copy, 1 thread)"].best_ms()
-    composite_ms = min(times[f"composite pack+unpack, {mode}"].best_ms() for mode in ("eager", "tf.function"))
+    composite_ms = min(
+        times[f"composite pack+unpack, {mode}"].best_ms() for mode in ("eager", "tf.function")
+    )
     rows = [
-        f"(a) pack + unpack, {len(tensors)} float32 tensors, {nbytes / MB:.0f} MB, float16 wire, scale 1/64",
+        f"(a) pack + unpack, {len(tensors)} float32 tensors, {nbytes / MB:.0f} MB, "
+        "float16 wire, scale 1/64",
         "",
         "| candidate | best ms | median ms | CPU ms | GB/s (read+write, best) | % of memcpy GB/s "
         "| speed-up vs best composite |",
@@ -135,7 +140,9 @@ def bench_sfb(repeats: int) -> list[str]:
                 lambda: ops.sfb_reconstruct(u32, v32),
             ),
             "float16 (tf: cast, then matmul)": (
-                lambda: tf.matmul(tf.cast(u16, tf.float32), tf.cast(v16, tf.float32), transpose_a=True),
+                lambda: tf.matmul(
+                    tf.cast(u16, tf.float32), tf.cast(v16, tf.float32), transpose_a=True
+                ),
                 lambda: ops.sfb_reconstruct(u16, v16),
             ),
         }

@@ -16,11 +16,14 @@ fi
 NVCC=${NVCC:-nvcc}
 if [ -z "${CUDA_HOME:-}" ]; then
     CUDA_HOME=/usr/local/cuda
-    [ -d "$CUDA_HOME/include" ] || CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")
+    if [ ! -d "$CUDA_HOME/include" ]; then
+        CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v "$NVCC")")")")
+    fi
 fi
 OUT=${1:-build/cuda_objects}
 mkdir -p "$OUT"
-TF_CFLAGS=$("$PYTHON" -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
+TF_CFLAGS=$("$PYTHON" -c \
+    'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
 read -r -a TF_CFLAGS <<< "$TF_CFLAGS"
 "$NVCC" --version | tail -1
 for source in kernels/*.cu; do
@@ -29,7 +32,8 @@ for source in kernels/*.cu; do
         -c "$source" -o "$OUT/$(basename "$source").o"
 done
 echo "${CXX:-g++} -DGOOGLE_CUDA=1: kernels/poseidon_kernels_gpu.cc"
-"${CXX:-g++}" -std=c++17 -O2 -fPIC -Wno-deprecated-declarations -Wno-interference-size "${TF_CFLAGS[@]}" -DGOOGLE_CUDA=1 \
-    -I"$CUDA_HOME/include" -Ikernels -c kernels/poseidon_kernels_gpu.cc \
+"${CXX:-g++}" -std=c++17 -O2 -fPIC -Wno-deprecated-declarations -Wno-interference-size \
+    "${TF_CFLAGS[@]}" -DGOOGLE_CUDA=1 -I"$CUDA_HOME/include" -Ikernels \
+    -c kernels/poseidon_kernels_gpu.cc \
     -o "$OUT/poseidon_kernels_gpu.cc.o"
 echo "ok: objects in $OUT"

@@ -55,7 +55,7 @@ def source_files() -> list[Path]:
 
 
 def isa_flags() -> list[str]:
-    """Compiler flags for the best instruction-set tier this CPU supports (x86-64 Linux), else []."""
+    """Compiler flags of the best instruction-set tier this CPU has (x86-64 Linux), else []."""
     if platform.machine() not in {"x86_64", "AMD64"}:
         return []
     try:
@@ -147,7 +147,8 @@ def _cxx_command(source: Path, work: Path, cuda: Path | None) -> list[str]:
     # -ffp-contract=off: no FMA contraction, so results do not depend on the instruction set.
     command = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-DNDEBUG", "-fPIC"]
     command += ["-ffp-contract=off"]
-    command += ["-fvisibility=hidden", "-fvisibility-inlines-hidden", "-Wno-deprecated-declarations"]
+    command += ["-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+    command += ["-Wno-deprecated-declarations"]  # TensorFlow's headers use deprecated TSL APIs
     command += tf.sysconfig.get_compile_flags() + isa_flags() + [f"-I{KERNEL_DIR}"]
     if cuda is not None:
         command += ["-DGOOGLE_CUDA=1", f"-I{cuda / 'include'}"]

@@ -1,6 +1,7 @@
 // Standalone check of the tf_poseidon CUDA kernels, no TensorFlow needed: runs every launcher of
 // poseidon_cuda.h on random data against a CPU reference (convert.h on the host), then times them
-// at realistic sizes. Exit status 0 iff every check passed. Built and run by ci/check_cuda_on_gpu.sh:
+// at realistic sizes. Exit status 0 iff every check passed. ci/check_cuda_on_gpu.sh builds and runs
+// it:
 //
 //   nvcc -std=c++17 -O3 -Ikernels kernels/cuda_harness.cu kernels/poseidon_cuda.cu -o harness
 //   ./harness

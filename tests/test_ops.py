@@ -131,16 +131,21 @@ def test_sfb_reconstruct_matches_numpy(rng, dtype, r, m, n):
     np.testing.assert_allclose(grad.numpy(), expected, rtol=0, atol=bound)
 
 
+F16_9 = np.ones(9, np.float16)
+F32_2x5 = np.ones((2, 5), np.float32)
+F32_1x2x3 = np.ones((1, 2, 3), np.float32)
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
-        (lambda: ops.unpack(np.ones(9, np.float16), [(2, 5)], [tf.float32]), r"packed must have shape \[10\]"),
-        (lambda: ops.unpack(np.ones((2, 5), np.float16), [(2, 5)], [tf.float32]), r"packed must have shape \[10\]"),
-        (lambda: ops.sum_chunks(np.ones(6, np.float16)), r"chunks must have shape \[P, n\]"),
-        (lambda: ops.sum_chunks(np.ones((1, 2, 3), np.float32)), r"chunks must have shape \[P, n\]"),
-        (lambda: ops.sfb_reconstruct(np.ones((3, 4), np.float32), np.ones((2, 5), np.float32)), r"same R"),
-        (lambda: ops.sfb_reconstruct(np.ones(4, np.float32), np.ones((1, 5), np.float32)), r"u must have shape \[R, M\]"),
-        (lambda: ops.pack([np.ones(3, np.float32)], tf.float16, scale=[1.0, 2.0]), r"scale must be a float32 scalar"),
+        (lambda: ops.unpack(F16_9, [(2, 5)], [tf.float32]), r"packed must have shape \[10\]"),
+        (lambda: ops.unpack(F32_2x5, [(2, 5)], [tf.float32]), r"packed must have shape \[10\]"),
+        (lambda: ops.sum_chunks(F16_9), r"chunks must have shape \[P, n\]"),
+        (lambda: ops.sum_chunks(F32_1x2x3), r"chunks must have shape \[P, n\]"),
+        (lambda: ops.sfb_reconstruct(np.ones((3, 4), np.float32), F32_2x5), r"same R"),
+        (lambda: ops.sfb_reconstruct(F32_2x5[0], F32_2x5), r"u must have shape \[R, M\]"),
+        (lambda: ops.pack([F32_2x5], tf.float16, [1.0, 2.0]), r"scale must be a float32 scalar"),
     ],
 )
 def test_bad_shapes_raise_clear_errors(call, message):
@@ -150,9 +155,10 @@ def test_bad_shapes_raise_clear_errors(call, message):
 
 def test_bad_shapes_are_caught_when_tracing():
     with pytest.raises(ValueError, match=r"chunks must have shape \[P, n\]"):
-        tf.function(lambda: ops.sum_chunks(tf.ones([6], tf.float16))).get_concrete_function()
+        tf.function(lambda: ops.sum_chunks(tf.ones([6]))).get_concrete_function()
     with pytest.raises(ValueError, match=r"packed must have shape \[10\]"):
-        tf.function(lambda: ops.unpack(tf.ones([9]), [(2, 5)], [tf.float32])).get_concrete_function()
+        unpack = tf.function(lambda: ops.unpack(tf.ones([9]), [(2, 5)], [tf.float32]))
+        unpack.get_concrete_function()
 
 
 @pytest.mark.parametrize(
@@ -230,15 +236,13 @@ def test_composite_fallback_meets_the_same_contracts(rng, wire):
     scale = tf.constant(0.5)
     packed = composite.pack([tf.constant(a) for a in arrays], wire, scale)
     np.testing.assert_array_equal(packed.numpy(), pack_reference(arrays, wire, 0.5))
-    shapes = [tf.TensorShape(s) for s in SHAPES]
-    restored = composite.unpack(packed, shapes, [tf.float32] * len(SHAPES), 1 / scale)
-    for tensor, expected in zip(restored, ops.unpack(packed, SHAPES, [tf.float32] * len(SHAPES), 2.0)):
+    shapes, dtypes = [tf.TensorShape(s) for s in SHAPES], [tf.float32] * len(SHAPES)
+    restored = composite.unpack(packed, shapes, dtypes, 1 / scale)
+    for tensor, expected in zip(restored, ops.unpack(packed, SHAPES, dtypes, 2.0)):
         np.testing.assert_array_equal(tensor.numpy(), expected.numpy())
     chunks = tf.constant(random_values(rng, (3, 1023), wire))
-    np.testing.assert_allclose(
-        composite.sum_chunks(chunks, scale, tf.float32).numpy(), ops.sum_chunks(chunks, 0.5).numpy(), rtol=1e-6
-    )
+    summed = composite.sum_chunks(chunks, scale, tf.float32)
+    np.testing.assert_allclose(summed.numpy(), ops.sum_chunks(chunks, 0.5).numpy(), rtol=1e-6)
     u, v = (tf.constant(rng.standard_normal(s).astype(np_dtype(wire))) for s in [(8, 5), (8, 3)])
-    np.testing.assert_allclose(
-        composite.sfb_reconstruct(u, v, scale).numpy(), ops.sfb_reconstruct(u, v, 0.5).numpy(), rtol=1e-5
-    )
+    grad = composite.sfb_reconstruct(u, v, scale)
+    np.testing.assert_allclose(grad.numpy(), ops.sfb_reconstruct(u, v, 0.5).numpy(), rtol=1e-5)

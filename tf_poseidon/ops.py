@@ -140,7 +140,8 @@ def sfb_reconstruct(u: tf.Tensor, v: tf.Tensor, scale: Scale = 1.0) -> tf.Tensor
     Returns:
       ``[M, N]`` float32, accumulated in float32 (R = 0 gives zeros).
     """
-    return _backend().sfb_reconstruct(tf.convert_to_tensor(u), tf.convert_to_tensor(v), _scale(scale))
+    u, v = tf.convert_to_tensor(u), tf.convert_to_tensor(v)
+    return _backend().sfb_reconstruct(u, v, _scale(scale))
 
 
 def _scale(scale: Scale) -> tf.Tensor:
