@@ -26,9 +26,11 @@ _placement.configure_process(_world.world())
 __version__ = "0.1.0"
 
 __all__ = ["PoseidonStrategy", "WorldError", "rank", "size", "local_rank", "local_size",
-           "is_chief", "ops"]
+           "is_chief", "ops", "callbacks", "export_for_serving"]
 
-_LAZY = {"PoseidonStrategy": "tf_poseidon.strategy", "ops": None}
+# attribute -> module it comes from (None: the attribute is the submodule itself)
+_LAZY = {"PoseidonStrategy": "tf_poseidon.strategy", "ops": None, "callbacks": None,
+         "export_for_serving": "tf_poseidon.export"}
 
 
 def __getattr__(name):
