@@ -12,8 +12,6 @@ SFB_CHOICES = ("auto", "always", "never")
 _NOT_YET = {
     ("mode", "ssp"): "stale synchronous parallel mode (mode='ssp')",
     ("mode", "easgd"): "elastic averaging SGD (mode='easgd')",
-    ("compression", "fp16"): "fp16 compressed transport (compression='fp16')",
-    ("compression", "bf16"): "bf16 compressed transport (compression='bf16')",
     ("sfb", "always"): "sufficient factor broadcasting (sfb='always')",
 }
 

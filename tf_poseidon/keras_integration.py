@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-five Keras functions; each wrapper acts only when the current strategy is a
+six Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -12,6 +12,10 @@ original unchanged:
   ``clipvalue``) moves from before that all-reduce, where Keras puts it and where it would see
   each rank's local gradient, to after it, so it clips the reduced gradient as one process
   would clip the gradient of the whole global batch;
+* ``LossScaleOptimizer.check_finite`` decides on every rank's gradients, not only the local
+  ones: Keras checks the gradients *before* they are all-reduced, so a NaN on one rank would
+  make that rank skip the step (and its all-reduce) while the others wait for it. The ranks'
+  verdicts are combined (one tiny all-reduce), so all skip or all apply together;
 * ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (sync/batch_share.py):
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
   only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
@@ -36,6 +40,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
+from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
 
@@ -85,6 +90,17 @@ def _clip_gradients(original):
     return wrapper
 
 
+def _check_finite(original):
+    def wrapper(self, grads):
+        finite = original(self, grads)
+        extended = _poseidon_extended()
+        if extended is None or tf.distribute.get_replica_context() is None:
+            return finite
+        all_finite = extended.sum_over_ranks([tf.cast(finite, tf.int64)], "finite")[0]
+        return tf.equal(all_finite, extended._num_replicas_in_sync)
+    return wrapper
+
+
 def _train_step(original):
     def wrapper(self, data):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
@@ -105,7 +121,7 @@ def _get_metrics_result(original):
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
         flat = [s for state in states for s in state]
-        summed = iter(extended.all_reduce_metric_states(flat))
+        summed = iter(extended.sum_over_ranks(flat, "metrics"))
         results = {}
         for metric, state in zip(metrics, states):
             value = metric.stateless_result([next(summed) for _ in state]) if state \
@@ -123,20 +139,22 @@ def _reduce_per_replica(original):
         from tf_poseidon.strategy import PoseidonStrategy, gather_along
         if (isinstance(strategy, PoseidonStrategy) and reduction == "concat"
                 and strategy.num_replicas_in_sync > 1):
-            engine = strategy.extended.engine
-            return tree.map_structure(lambda v: gather_along(engine, v, 0), values)
+            extended = strategy.extended
+            return tree.map_structure(
+                lambda v: gather_along(extended.engine, extended.sequencer, v, 0), values)
         return original(values, strategy, reduction)
     return wrapper
 
 
 def install() -> None:
-    """Installs the five wrappers described in the module docstring (once)."""
+    """Installs the six wrappers described in the module docstring (once)."""
     global _installed
     if _installed:
         return
     _installed = True
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
     _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
+    _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)

@@ -142,6 +142,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         self._num_synced = 0
         self._replica_scope = _ReplicaScope()
         self._synchronizer = None
+        self.sequencer = graph_ops.Sequencer() if self._world.size > 1 else None
 
     # -- world --------------------------------------------------------------------------
 
@@ -164,7 +165,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     @property
     def synchronizer(self):
         if self._synchronizer is None:
-            self._synchronizer = BSPSynchronizer(self.engine, self.config)
+            self._synchronizer = BSPSynchronizer(self.engine, self.sequencer, self.config)
         return self._synchronizer
 
     @property
@@ -265,10 +266,14 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         flat = [tf.convert_to_tensor(v) for v in value]
         return self._all_reduce_exact(reduce_op, flat, name="all_reduce")
 
-    def all_reduce_metric_states(self, states: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """Replica context: the sum over ranks of each metric state tensor (exact, unweighted)."""
+    def sum_over_ranks(self, values: Sequence[tf.Tensor], name: str) -> list[tf.Tensor]:
+        """The exact, unweighted sum over ranks of each tensor of ``values`` (static shapes).
+
+        Any context, every rank must call it alike (a collective); ``name`` labels it in
+        stats and timelines. Used for metric states and the loss-scale finite check.
+        """
         return self._all_reduce_exact(reduce_util.ReduceOp.SUM,
-                                      [tf.convert_to_tensor(s) for s in states], name="metrics")
+                                      [tf.convert_to_tensor(v) for v in values], name=name)
 
     def _all_reduce_exact(self, reduce_op: reduce_util.ReduceOp, flat: list[tf.Tensor],
                           name: str) -> list[tf.Tensor]:
@@ -277,7 +282,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         plan = buckets_lib.plan_buckets(flat, backprop_order=False,
                                         first_bucket_bytes=buckets_lib.DEFAULT_BUCKET_BYTES)
         summed = graph_ops.bucketed_collective(self.engine, name, flat, plan,
-                                               collectives.ALLREDUCE_SUM)
+                                               collectives.ALLREDUCE_SUM, self.sequencer)
         if reduce_op == reduce_util.ReduceOp.MEAN:
             summed = [s / tf.cast(self._world.size, s.dtype) for s in summed]
         return summed
@@ -298,7 +303,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         tensor = tf.convert_to_tensor(value)
         if not self._distributed:
             return tensor
-        return gather_along(self.engine, tensor, axis)
+        return gather_along(self.engine, self.sequencer, tensor, axis)
 
     # -- input --------------------------------------------------------------------------
 
@@ -329,7 +334,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         return value_fn(distribute_lib.ValueContext(self._world.rank, self._world.size))
 
 
-def gather_along(engine, tensor: tf.Tensor, axis: int) -> tf.Tensor:
+def gather_along(engine, sequencer, tensor: tf.Tensor, axis: int) -> tf.Tensor:
     """Every rank's ``tensor`` concatenated along ``axis`` in rank order (collective)."""
     rank = tensor.shape.rank
     if not rank:
@@ -337,7 +342,8 @@ def gather_along(engine, tensor: tf.Tensor, axis: int) -> tf.Tensor:
     axis = axis % rank
     perm = [axis] + [d for d in range(rank) if d != axis]
     moved = tf.transpose(tensor, perm) if axis else tensor
-    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.ALLGATHER_CONCAT)
+    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.ALLGATHER_CONCAT,
+                                     sequencer)
     if not axis:
         return gathered
     inverse = [perm.index(d) for d in range(rank)]
@@ -361,7 +367,8 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
         if not extended._distributed:
             return value
         return tf.nest.map_structure(
-            lambda v: gather_along(extended.engine, tf.convert_to_tensor(v), axis), value)
+            lambda v: gather_along(extended.engine, extended.sequencer, tf.convert_to_tensor(v),
+                                   axis), value)
 
 
 keras_integration.install()

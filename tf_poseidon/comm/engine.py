@@ -198,7 +198,7 @@ class CommEngine:
         end = time.perf_counter()
         sent, received = group.collective.wire_bytes(job.payload.nbytes, self.size)
         self.stats.record(stats_lib.BucketRecord(
-            group.name, job.instance, job.index, group.bucket_layers[job.index],
+            group.name, group.id, job.instance, job.index, group.bucket_layers[job.index],
             job.payload.nbytes, sent, received, job.submitted_at, start, end))
         if self.timeline is not None:
             self.timeline.bucket(group.name, job.index, job.payload.nbytes, job.submitted_at,

@@ -10,15 +10,16 @@ Per bucket, two ops:
   group has been handed over — otherwise, with only as many inter-op threads as cores, a rank
   could wait on itself. Its output is the flat reduced payload.
 
-Both are *stateful* ``numpy_function`` ops, so tf.function's automatic control dependencies run
-them in creation order. We create them in posting order — a group's enqueues bucket 0 first
-(the last layer's gradients, which backprop produces first), then its collects — so the chain
-never delays a bucket behind one that becomes ready later, and successive collective calls of one
-function (gradients, then metrics, then a user's reduce) reach the engine in the same order on
-every rank, even across nested functions and conditionals, which are stateful call ops chained
-the same way. (Stateless ops would also let grappler constant-fold an enqueue whose inputs are
-constant, e.g. on an empty batch.) Nothing links a bucket's enqueue to the backward pass of
-earlier layers, so communication of bucket k overlaps backprop of the layers below it.
+Both are stateful ``numpy_function`` ops (grappler may not constant-fold or merge them) and
+both go through the :class:`Sequencer`, which runs every communication op of a function in
+creation order. We create them in posting order — a group's enqueues bucket 0 first (the last
+layer's gradients, which backprop produces first), then its collects — so the order never delays
+a bucket behind one that becomes ready later, and successive collective calls of one function
+(gradients, then metrics, then a user's reduce) reach the engine in the same order on every
+rank, also when some of them sit in a conditional or a loop (LossScaleOptimizer applies the
+gradients in a ``tf.cond``; ``steps_per_execution`` runs steps in a ``tf.while_loop``).
+Nothing links a bucket's enqueue to the backward pass of earlier layers, so communication of
+bucket k overlaps backprop of the layers below it.
 """
 
 from __future__ import annotations
@@ -33,34 +34,70 @@ from tf_poseidon.comm import engine as engine_lib
 from tf_poseidon.comm.collectives import Collective
 
 
+class Sequencer:
+    """Makes a process's communication ops run in the order they were created, in any graph.
+
+    tf.function's automatic control dependencies order stateful ops by creation only among ops
+    that touch the same resource (and stateful ops without resources, except that a conditional
+    or loop op holding them counts as touching its captured resources instead). So every
+    communication op here reads a counter variable before it runs and increments it after:
+    the next one's read waits for that increment, and a ``tf.cond`` or ``tf.while_loop`` holding
+    communication ops captures the counter and is ordered with the rest. Create it outside any
+    strategy scope (it is the process's, not a model's, variable).
+    """
+
+    def __init__(self):
+        self._counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tp_comm_order")
+
+    def run_in_order(self, make_op) -> tf.Tensor:
+        """``make_op(extra_inputs)`` builds the op; in a graph, ``extra_inputs`` is the counter
+        read it must consume (as an ignored input), eagerly it is empty (ops run when built)."""
+        if tf.executing_eagerly():
+            return make_op([])
+        turn = self._counter.read_value()
+        op = make_op([turn])
+        with tf.control_dependencies([op]):
+            self._counter.assign_add(1)
+        return op
+
+
 def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
-             tensors: Sequence[tf.Tensor], payload_dtype: np.dtype) -> tf.Tensor:
+             tensors: Sequence[tf.Tensor], payload_dtype: np.dtype,
+             sequencer: Sequencer) -> tf.Tensor:
+    count = len(tensors)
+
     def hand_over(*arrays: np.ndarray) -> np.int64:
         # A copy: TensorFlow may reuse the arrays' memory once this op returns.
-        payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays])
+        payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays[:count]])
         engine.submit(group, index, payload)
         return np.int64(index)
 
-    token = tf.numpy_function(hand_over, list(tensors), tf.int64, stateful=True,
-                              name=f"tp_enqueue_{group.name}_{index}")
-    token.set_shape([])
-    return token
+    def make(extra):
+        token = tf.numpy_function(hand_over, list(tensors) + extra, tf.int64, stateful=True,
+                                  name=f"tp_enqueue_{group.name}_{index}")
+        token.set_shape([])
+        return token
+    return sequencer.run_in_order(make)
 
 
 def _collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
-             payload_dtype: np.dtype, num_elements: int | None) -> tf.Tensor:
-    def wait(*_tokens: np.int64) -> np.ndarray:
+             payload_dtype: np.dtype, num_elements: int | None,
+             sequencer: Sequencer) -> tf.Tensor:
+    def wait(*_inputs) -> np.ndarray:
         return group.wait_result(index)
 
-    flat = tf.numpy_function(wait, list(tokens), tf.as_dtype(payload_dtype), stateful=True,
-                             name=f"tp_collect_{group.name}_{index}")
-    flat.set_shape([num_elements])
-    return flat
+    def make(extra):
+        flat = tf.numpy_function(wait, list(tokens) + extra, tf.as_dtype(payload_dtype),
+                                 stateful=True, name=f"tp_collect_{group.name}_{index}")
+        flat.set_shape([num_elements])
+        return flat
+    return sequencer.run_in_order(make)
 
 
 def bucketed_collective(engine: engine_lib.CommEngine, name: str,
                         values: Sequence[tf.Tensor], plan: Sequence[buckets_lib.Bucket],
-                        collective: Collective, names: Sequence[str] | None = None,
+                        collective: Collective, sequencer: Sequencer,
+                        names: Sequence[str] | None = None,
                         wait_for: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
     """Runs ``collective`` on every bucket of ``plan`` through the engine.
 
@@ -71,6 +108,7 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
       plan: from :func:`buckets.plan_buckets`.
       collective: run on the engine thread per bucket; its result has the payload's shape
         and dtype (e.g. an in-place MPI all-reduce).
+      sequencer: the strategy's; orders these ops with its other communication ops.
       names: one per value, for per-layer statistics (default: positions).
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
@@ -85,10 +123,11 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
     group = engine_lib.CollectiveGroup(name, collective, layers)
     with tf.control_dependencies(list(wait_for)):
         tokens = [_enqueue(engine, group, b.index, [values[i] for i in b.members],
-                           b.payload_dtype) for b in plan]
+                           b.payload_dtype, sequencer) for b in plan]
     results: list[tf.Tensor | None] = [None] * len(values)
     for bucket in plan:
-        flat = _collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.num_elements)
+        flat = _collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.num_elements,
+                        sequencer)
         pieces = tf.split(flat, list(bucket.sizes)) if len(bucket.members) > 1 else [flat]
         for position, piece in zip(bucket.members, pieces):
             value = values[position]
@@ -97,7 +136,7 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
 
 
 def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
-                collective: Collective) -> tf.Tensor:
+                collective: Collective, sequencer: Sequencer) -> tf.Tensor:
     """Concatenates every rank's ``value`` along axis 0, in rank order.
 
     ``value`` may have a different leading dimension on each rank; its other dimensions must
@@ -108,6 +147,6 @@ def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
         raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got {value.shape}.")
     dtype = np.dtype(value.dtype.as_numpy_dtype)
     group = engine_lib.CollectiveGroup(name, collective, [[(name, 0)]])
-    token = _enqueue(engine, group, 0, [value], dtype)
-    flat = _collect(group, 0, [token], dtype, None)
+    token = _enqueue(engine, group, 0, [value], dtype, sequencer)
+    flat = _collect(group, 0, [token], dtype, None, sequencer)
     return tf.reshape(flat, [-1] + inner.as_list())

@@ -25,6 +25,7 @@ class BucketRecord:
     """One bucket the engine ran."""
 
     group: str
+    group_id: int
     instance: int
     index: int
     layers: tuple[tuple[str, int], ...]  # (name, payload bytes) of each tensor in the bucket
@@ -67,11 +68,13 @@ def step_report(records: list[BucketRecord], last_steps: int = 20,
     step), ``summary`` (means over the steps: ``step_time_s``, ``comm_time_s``,
     ``overlapped_s``, ``hidden_fraction`` = overlapped / communication, bytes per step).
     """
-    by_step: dict[int, list[BucketRecord]] = collections.defaultdict(list)
+    # A step is one instance of one traced group (a retrace makes a new group).
+    by_step: dict[tuple[int, int], list[BucketRecord]] = collections.defaultdict(list)
     for r in records:
         if r.group == group:
-            by_step[r.instance].append(r)
-    instances = sorted(by_step)[-last_steps:]
+            by_step[(r.group_id, r.instance)].append(r)
+    instances = sorted(by_step, key=lambda key: min(r.queued_at for r in by_step[key]))
+    instances = instances[-last_steps:]
     steps = []
     for position, instance in enumerate(instances):
         buckets = sorted(by_step[instance], key=lambda r: r.index)
@@ -81,7 +84,6 @@ def step_report(records: list[BucketRecord], last_steps: int = 20,
         step_time = (min(r.queued_at for r in by_step[following]) - first_handover
                      if following is not None else None)
         steps.append({
-            "step": instance,
             "step_time_s": step_time,
             "comm_time_s": sum(r.end - r.start for r in buckets),
             "overlapped_s": sum(_overlap(r, backward_end) for r in buckets),

@@ -1,7 +1,8 @@
 """Bulk synchronous parallel (mode="sync"): every step, every rank applies Σ_p g_p.
 
 With compression="none", P ranks at global batch B give the weights of one process at batch B,
-up to float summation order.
+up to float summation order. With "fp16"/"bf16" the sum travels in 16 bits and is accumulated
+in float32 (comm/codecs.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.comm import codecs, collectives, graph_ops
 from tf_poseidon.comm.engine import CommEngine
 from tf_poseidon.config import StrategyConfig
 from tf_poseidon.sync import batch_share
@@ -21,10 +22,14 @@ from tf_poseidon.sync import batch_share
 class BSPSynchronizer:
     """Sums the gradients of all ranks through the engine, in buckets (see comm/buckets.py)."""
 
-    def __init__(self, engine: CommEngine, config: StrategyConfig):
+    def __init__(self, engine: CommEngine, sequencer: graph_ops.Sequencer,
+                 config: StrategyConfig):
         self._engine = engine
+        self._sequencer = sequencer
         self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
         self._overlap = config.overlap
+        self._collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
+                            else codecs.compressed_allreduce(config.compression))
 
     def reduce_gradients(self, grads: Sequence[tf.Tensor], names: Sequence[str],
                          num_replicas: int, local_batch: tf.Tensor | None) -> list[tf.Tensor]:
@@ -43,7 +48,8 @@ class BSPSynchronizer:
                                             buckets_lib.DEFAULT_FIRST_BUCKET_BYTES))
         wait_for = list(values) if not self._overlap else []
         summed = graph_ops.bucketed_collective(self._engine, "gradients", values, plan,
-                                               collectives.ALLREDUCE_SUM, names, wait_for)
+                                               self._collective, self._sequencer,
+                                               names, wait_for)
         if local_batch is not None:
             summed = batch_share.unweight_sum(summed, num_replicas)
         return summed

@@ -1,0 +1,77 @@
+"""Worker for the compression tests.
+
+    compression_check.py codec OUT       16-bit all-reduce vs float64 exact sums (2+ ranks)
+    compression_check.py lossscale OUT   LossScaleOptimizer with a NaN in one rank's rows
+
+codec writes OUT/codec_rank<r>.json: relative errors per (compression, size), the NaN/Inf
+results, and the strategy's bytes per step for fp32 and fp16 gradient reductions.
+lossscale writes OUT/lossscale_rank<r>.npz: final weights and loss scale; run it alone and
+on several ranks: the step with the NaN must be skipped everywhere alike.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_poseidon as tp  # noqa: E402
+
+
+def codec(out):
+    from tf_poseidon.comm import codecs, collectives
+    from tf_poseidon.comm.engine import get_engine
+    engine = get_engine()
+    rng = np.random.default_rng(tp.rank())
+    report = {"errors": {}}
+    for compression in ("fp16", "bf16"):
+        collective = codecs.compressed_allreduce(compression)
+        for n in (1, 7, 1023, 100003):
+            # Magnitudes from 1e-6 to 1e6: beyond fp16's 65504 and below its normal range.
+            x = (rng.normal(size=n) * 10.0 ** rng.uniform(-6, 6, size=n)).astype(np.float32)
+            exact = engine.call(lambda c: collectives.ALLREDUCE_SUM.run(c, x.astype(np.float64)))
+            got = engine.call(lambda c: collective.run(c, x.copy()))
+            report["errors"][f"{compression}/{n}"] = float(
+                np.linalg.norm(got - exact) / np.linalg.norm(exact))
+        for bad in ("nan", "inf"):
+            x = np.ones(11, np.float32)
+            if tp.rank() == tp.size() - 1:
+                x[5] = float(bad)
+            got = engine.call(lambda c: collective.run(c, x.copy()))
+            report[f"{compression}/{bad}"] = [str(v) for v in got[4:7]]
+    for compression in ("none", "fp16"):
+        strategy = tp.PoseidonStrategy(compression=compression)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((100,)), keras.layers.Dense(1000)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((64, 100), np.float32), np.ones((64, 1000), np.float32),
+                  batch_size=32, verbose=0)
+        # stats() covers the process's last steps: this fit's two.
+        report[f"bytes/{compression}"] = strategy.stats(last_steps=2)["summary"]["bytes_sent"]
+    with open(os.path.join(out, f"codec_rank{tp.rank()}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def lossscale(out):
+    keras.utils.set_random_seed(5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 6, 8)).astype("float32")
+    y = rng.normal(size=(64 * 6, 1)).astype("float32")
+    x[2 * 64 + 40, 3] = np.nan  # batch 2, row 40: on rank 1 of 2 (rows 32..63)
+    strategy = tp.PoseidonStrategy(compression="fp16")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh"),
+                                  keras.layers.Dense(1)])
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    np.savez(os.path.join(out, f"lossscale_rank{tp.rank()}.npz"),
+             weights=np.concatenate([w.numpy().ravel() for w in model.weights]),
+             scale=float(optimizer.dynamic_scale.numpy()))
+
+
+if __name__ == "__main__":
+    {"codec": codec, "lossscale": lossscale}[sys.argv[1]](sys.argv[2])
