@@ -2,12 +2,14 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-six Keras functions; each wrapper acts only when the current strategy is a
+seven Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
 * the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
   strategy's synchronizer, so modes and buckets apply to gradients only;
+* after the optimizer's update (``TFOptimizer._backend_update_step``) the mode's synchronizer
+  gets its turn (``after_update``: SSP's delta exchange, EASGD's elastic move);
 * gradient clipping (``BaseOptimizer._clip_gradients``: ``clipnorm``, ``global_clipnorm``,
   ``clipvalue``) moves from before that all-reduce, where Keras puts it and where it would see
   each rank's local gradient, to after it, so it clips the reduced gradient as one process
@@ -37,6 +39,7 @@ from __future__ import annotations
 import functools
 
 import tensorflow as tf
+from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
@@ -79,6 +82,16 @@ def _all_reduce_sum_gradients(original):
         for i, g in zip(present, reduced):
             result[i] = (g, grads_and_vars[i][1])
         return result
+    return wrapper
+
+
+def _backend_update_step(original):
+    def wrapper(self, grads, trainable_variables, learning_rate):
+        original(self, grads, trainable_variables, learning_rate)
+        extended = _poseidon_extended()
+        if extended is not None and tf.distribute.get_replica_context() is not None:
+            extended.after_update([v.value if isinstance(v, keras_backend.Variable) else v
+                                   for v in trainable_variables])
     return wrapper
 
 
@@ -147,12 +160,13 @@ def _reduce_per_replica(original):
 
 
 def install() -> None:
-    """Installs the six wrappers described in the module docstring (once)."""
+    """Installs the seven wrappers described in the module docstring (once)."""
     global _installed
     if _installed:
         return
     _installed = True
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
+    _wrap(keras_tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
     _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)

@@ -39,6 +39,9 @@ from tf_poseidon.comm.engine import get_engine
 from tf_poseidon.config import StrategyConfig
 from tf_poseidon.sync.bsp import BSPSynchronizer
 
+# mode -> synchronizer class; a new mode is one file in sync/ and one entry here.
+SYNCHRONIZERS = {"sync": BSPSynchronizer}
+
 
 class PoseidonStrategy(distribute_lib.Strategy):
     """Data-parallel training across processes launched by MPI (or a single process).
@@ -93,6 +96,15 @@ class PoseidonStrategy(distribute_lib.Strategy):
     def config(self) -> StrategyConfig:
         """The validated options this strategy was built with."""
         return self.extended.config
+
+    def drain(self) -> None:
+        """Applies every pending update on every rank (SSP); then all replicas agree.
+
+        Call on every rank, outside a replica function (blocking, collective). Keras ``fit``
+        drains at its end; saving and exporting drain through ``consistent_state``. A no-op in
+        sync mode, where nothing is ever pending.
+        """
+        self.extended.drain()
 
     def stats(self, last_steps: int = 20) -> dict:
         """This rank's communication statistics for its last ``last_steps`` training steps.
@@ -164,8 +176,10 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
     @property
     def synchronizer(self):
+        """The mode's synchronizer (sync/), built on first use. Only when P > 1."""
         if self._synchronizer is None:
-            self._synchronizer = BSPSynchronizer(self.engine, self.sequencer, self.config)
+            self._synchronizer = SYNCHRONIZERS[self.config.mode](
+                self.engine, self.sequencer, self.config, self._world.size)
         return self._synchronizer
 
     @property
@@ -223,8 +237,11 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         outer_batch = scope.local_batch
         scope.local_batch = data_lib.batch_size_of((args, kwargs or {}))
         scope.depth += 1
+        tracing = (self.synchronizer.tracing_replica_function() if self._distributed
+                   else contextlib.nullcontext())
         try:
-            with tf.device(self._device), _PoseidonReplicaContext(strategy, self._world.rank):
+            with tf.device(self._device), _PoseidonReplicaContext(strategy, self._world.rank), \
+                    tracing:
                 return fn(*args, **(kwargs or {}))
         finally:
             scope.depth -= 1
@@ -257,8 +274,18 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             return grads
         scope = self._replica_scope
         local_batch = scope.local_batch if scope.weight_by_batch_share else None
-        names = [v.name.split(":")[0] for v in variables]
-        return self.synchronizer.reduce_gradients(grads, names, self._world.size, local_batch)
+        return self.synchronizer.reduce_gradients(grads, variables, local_batch)
+
+    def after_update(self, variables: Sequence[tf.Variable]) -> None:
+        """Replica context, right after the optimizer updated ``variables``: the mode's
+        follow-up (SSP's delta exchange, EASGD's elastic move; nothing in sync mode)."""
+        if self._distributed:
+            self.synchronizer.after_update(variables)
+
+    def drain(self) -> None:
+        """Every rank, eagerly: applies every pending update (SSP), so replicas agree."""
+        if self._distributed:
+            self.synchronizer.drain()
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""
