@@ -144,9 +144,8 @@ def derive(results: list[dict]) -> list[dict]:
                           if distributed and _ok(r) and _ok(mwms) else None)
         row["vs_one_process"] = (r["samples_per_s"] / single["samples_per_s"]
                                  if _ok(r) and _ok(single) else None)
-        floor = compute_s
-        if compute_s is not None and wire is not None and bits:
-            floor = max(compute_s, wire * 8 / bits)
+        parts = [compute_s, wire * 8 / bits if wire is not None and bits else None]
+        floor = max((p for p in parts if p is not None), default=None)
         row["floor_s"] = floor if _ok(r) else None
         row["notes"] = _notes(results, r, wire)
         rows.append(row)

@@ -63,7 +63,7 @@ RANK_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 FULL = {"models": ["fc", "vgg", "resnet"], "ranks": [2, 4], "bandwidths": ["1gbit", "10gbit"],
-        "warmup": 2, "steps": 4, "timeout": 900.0}
+        "warmup": 1, "steps": 5, "timeout": 900.0}
 QUICK = {"models": ["fc"], "ranks": [2], "bandwidths": ["1gbit"], "warmup": 1, "steps": 2,
          "timeout": 300.0}
 
