@@ -10,7 +10,6 @@ SFB_CHOICES = ("auto", "always", "never")
 
 # Features that later work adds; until then asking for them raises NotImplementedError.
 _NOT_YET = {
-    ("mode", "ssp"): "stale synchronous parallel mode (mode='ssp')",
     ("mode", "easgd"): "elastic averaging SGD (mode='easgd')",
     ("sfb", "always"): "sufficient factor broadcasting (sfb='always')",
 }

@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-seven Keras functions; each wrapper acts only when the current strategy is a
+ten Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -26,7 +26,12 @@ original unchanged:
 * ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
   variables, so logs, progress bars and ``History`` show the global values one process would
   show for the same global batch (true for every Keras metric whose state is a set of sums:
-  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...);
+  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Modes whose ranks run ahead
+  of each other (SSP, EASGD) reduce only at epoch ends, so their progress bars show rank 0's
+  own metrics during an epoch;
+* ``fit`` ends with ``strategy.drain()`` (SSP applies its pending updates) and ``evaluate`` /
+  ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains; EASGD uses the
+  center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input.
@@ -124,12 +129,33 @@ def _train_step(original):
     return wrapper
 
 
+def _fit(original):
+    def wrapper(self, *args, **kwargs):
+        history = original(self, *args, **kwargs)
+        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
+        if extended is not None:
+            extended.drain()
+        return history
+    return wrapper
+
+
+def _in_consistent_state(original):
+    def wrapper(self, *args, **kwargs):
+        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
+        if extended is None:
+            return original(self, *args, **kwargs)
+        with extended.consistent_state():
+            return original(self, *args, **kwargs)
+    return wrapper
+
+
 def _get_metrics_result(original):
     def wrapper(self):
         # Called in the train/test step (replica context) and eagerly at epoch ends by every
         # rank alike, so both places reduce; the model's own strategy decides.
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
-        if extended is None:
+        if extended is None or (extended.in_replica_function()
+                                and not extended.synchronizer.lockstep):
             return original(self)
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
@@ -160,7 +186,7 @@ def _reduce_per_replica(original):
 
 
 def install() -> None:
-    """Installs the seven wrappers described in the module docstring (once)."""
+    """Installs the wrappers described in the module docstring (once)."""
     global _installed
     if _installed:
         return
@@ -171,4 +197,7 @@ def install() -> None:
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)

@@ -38,9 +38,10 @@ from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm.engine import get_engine
 from tf_poseidon.config import StrategyConfig
 from tf_poseidon.sync.bsp import BSPSynchronizer
+from tf_poseidon.sync.ssp import ssp_synchronizer
 
-# mode -> synchronizer class; a new mode is one file in sync/ and one entry here.
-SYNCHRONIZERS = {"sync": BSPSynchronizer}
+# mode -> synchronizer class (or factory); a new mode is one file in sync/ and one entry here.
+SYNCHRONIZERS = {"sync": BSPSynchronizer, "ssp": ssp_synchronizer}
 
 
 class PoseidonStrategy(distribute_lib.Strategy):
@@ -113,12 +114,17 @@ class PoseidonStrategy(distribute_lib.Strategy):
         time, communication time, the part of it overlapped with the backward pass, bytes sent
         and received, and per bucket the same with its layers), ``per_layer`` (bytes per
         variable per step), ``summary`` (means, and ``hidden_fraction`` = overlapped /
-        communication time). Definitions in tf_poseidon/comm/stats.py. In a world of one
-        process there is no communication: the lists are empty.
+        communication time), ``mode`` (the mode's own figures; SSP: ``staleness_histogram``,
+        how many steps late remote updates were applied, and ``blocked_on_bound_s``).
+        Definitions in tf_poseidon/comm/stats.py. In a world of one process there is no
+        communication: the lists are empty. SSP's delta exchange shows as group
+        "ssp_deltas", not "gradients", in ``steps``.
         """
         if not self.extended._distributed:
             return stats_lib.step_report([], last_steps)
-        return stats_lib.step_report(self.extended.engine.stats.records(), last_steps)
+        report = stats_lib.step_report(self.extended.engine.stats.records(), last_steps)
+        report["mode"] = self.extended.synchronizer.stats()
+        return report
 
     def __deepcopy__(self, memo):
         # Keras and tf.function may deep-copy objects holding the strategy; it is a singleton
@@ -246,6 +252,10 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         finally:
             scope.depth -= 1
             scope.local_batch = outer_batch
+
+    def in_replica_function(self) -> bool:
+        """Whether this thread is inside ``run``'s replica function (tracing or eager)."""
+        return self._replica_scope.depth > 0
 
     @contextlib.contextmanager
     def batch_share_weighting(self):

@@ -74,6 +74,16 @@ class CollectiveGroup:
     def __repr__(self) -> str:
         return f"CollectiveGroup({self.name!r}, id={self.id}, buckets={self.num_buckets})"
 
+    def poll_result(self, index: int) -> np.ndarray | None:
+        """Bucket ``index``'s next result if it is there already, else None. Never blocks."""
+        try:
+            result = self._results[index].get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def wait_result(self, index: int, timeout_s: float | None = None) -> np.ndarray:
         """Blocks the calling thread until bucket ``index``'s next result is there.
 

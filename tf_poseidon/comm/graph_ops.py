@@ -24,7 +24,7 @@ bucket k overlaps backprop of the layers below it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -61,14 +61,20 @@ class Sequencer:
         return op
 
 
+Keep = Callable[[int, np.ndarray], None]
+Wait = Callable[[int], np.ndarray]
+
+
 def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
              tensors: Sequence[tf.Tensor], payload_dtype: np.dtype,
-             sequencer: Sequencer) -> tf.Tensor:
+             sequencer: Sequencer, keep: Keep | None = None) -> tf.Tensor:
     count = len(tensors)
 
     def hand_over(*arrays: np.ndarray) -> np.int64:
         # A copy: TensorFlow may reuse the arrays' memory once this op returns.
         payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays[:count]])
+        if keep is not None:
+            keep(index, payload.copy())
         engine.submit(group, index, payload)
         return np.int64(index)
 
@@ -82,12 +88,14 @@ def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, i
 
 def _collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
              payload_dtype: np.dtype, num_elements: int | None,
-             sequencer: Sequencer) -> tf.Tensor:
-    def wait(*_inputs) -> np.ndarray:
-        return group.wait_result(index)
+             sequencer: Sequencer, wait: Wait | None = None) -> tf.Tensor:
+    wait = wait or group.wait_result
+
+    def result(*_inputs) -> np.ndarray:
+        return wait(index)
 
     def make(extra):
-        flat = tf.numpy_function(wait, list(tokens) + extra, tf.as_dtype(payload_dtype),
+        flat = tf.numpy_function(result, list(tokens) + extra, tf.as_dtype(payload_dtype),
                                  stateful=True, name=f"tp_collect_{group.name}_{index}")
         flat.set_shape([num_elements])
         return flat
@@ -98,7 +106,10 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
                         values: Sequence[tf.Tensor], plan: Sequence[buckets_lib.Bucket],
                         collective: Collective, sequencer: Sequencer,
                         names: Sequence[str] | None = None,
-                        wait_for: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
+                        wait_for: Sequence[tf.Tensor] = (),
+                        group: engine_lib.CollectiveGroup | None = None,
+                        keep: Keep | None = None,
+                        wait: Wait | None = None) -> list[tf.Tensor]:
     """Runs ``collective`` on every bucket of ``plan`` through the engine.
 
     Args:
@@ -112,6 +123,12 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
       names: one per value, for per-layer statistics (default: positions).
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
+      group: an existing group to submit to (its instances continue; e.g. across retraces);
+        default: a new group for this call site.
+      keep: ``keep(bucket_index, payload_copy)`` is called with a copy of this rank's payload
+        when it is handed over (SSP keeps its own contribution).
+      wait: ``wait(bucket_index) -> flat result`` replaces the default "next result of this
+        bucket" (``CollectiveGroup.wait_result``), e.g. to fetch stale results.
 
     Returns:
       One tensor per value, same shape and dtype, holding that value's part of the results.
@@ -120,14 +137,14 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
     names = list(names) if names is not None else [str(i) for i in range(len(values))]
     layers = [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
               for b in plan]
-    group = engine_lib.CollectiveGroup(name, collective, layers)
+    group = group or engine_lib.CollectiveGroup(name, collective, layers)
     with tf.control_dependencies(list(wait_for)):
         tokens = [_enqueue(engine, group, b.index, [values[i] for i in b.members],
-                           b.payload_dtype, sequencer) for b in plan]
+                           b.payload_dtype, sequencer, keep) for b in plan]
     results: list[tf.Tensor | None] = [None] * len(values)
     for bucket in plan:
         flat = _collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.num_elements,
-                        sequencer)
+                        sequencer, wait)
         pieces = tf.split(flat, list(bucket.sizes)) if len(bucket.members) > 1 else [flat]
         for position, piece in zip(bucket.members, pieces):
             value = values[position]

@@ -30,7 +30,15 @@ import tensorflow as tf
 
 
 class Synchronizer:
-    """Base class: the no-op parts of the contract above."""
+    """Base class: the no-op parts of the contract above.
+
+    ``lockstep``: whether every rank finishes every step together. Then per-step logs can be
+    global for free; a mode whose ranks run ahead of each other (SSP, EASGD) must not add a
+    per-step collective, so its progress bar shows rank 0's local metrics during an epoch (the
+    epoch's logs and ``History`` are still global).
+    """
+
+    lockstep = True
 
     def __init__(self, engine, sequencer, config, num_replicas: int):
         self.engine = engine
@@ -54,6 +62,10 @@ class Synchronizer:
 
     def tracing_replica_function(self):
         return contextlib.nullcontext()
+
+    def stats(self) -> dict:
+        """Mode-specific statistics for ``strategy.stats()["mode"]`` (JSON-serialisable)."""
+        return {}
 
     def local_mean(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The gradient of the mean loss over this rank's batch: Keras scales every rank's loss

@@ -1,0 +1,273 @@
+"""Elastic averaging SGD (mode="easgd"; Zhang, Choromanska, LeCun 2015), synchronous and async.
+
+Every rank takes optimizer steps on its own data with its own gradients (no gradient
+communication: ``reduce_gradients`` returns the mean-loss gradient of the local batch). Every
+``tau`` of its steps, right after the optimizer's update, a rank moves elastically towards the
+*center* c, a copy of the trainable variables that is what users evaluate, predict with, save
+and export:
+
+* synchronous (``easgd_async=False``; every rank keeps a copy of c, no server): on the same
+  steps on every rank, d_p = α(x_p − c); x_p ← x_p − d_p; c ← c + Σ_p d_p, one all-reduce of
+  the d_p through the engine (in buckets, like gradients). Needs α·P < 1 (config.py): the
+  center moves by α·P times the ranks' mean distance from it per period.
+* asynchronous (``easgd_async=True``; Theano-MPI's form): c lives with a holder thread on rank
+  0 (easgd_center.py); each rank, every τ of its *own* steps, exchanges with it alone:
+  d = α(x_p − c); x_p ← x_p − d; c ← c + d. No rank waits for another during training.
+
+What users see (docs/easgd.md): ``consistent_state()`` swaps the center into the model's
+trainable variables on every rank (the async form first fetches it from rank 0 and broadcasts
+it) and restores each rank's local weights on exit; the Keras integration enters it around
+``evaluate`` and ``predict``, and checkpoints and exports go through it. ``drain()`` — called at
+the end of ``fit`` — makes the center every rank's weights (x_p ← c), so after ``fit`` the
+model is the center, identical on every rank, and further training starts from it.
+
+State: per *group* (the trainable variables one optimizer updates, i.e. one model) a step
+counter (a tf.Variable, so ``steps_per_execution`` loops count right) and, in the synchronous
+form, the center's non-trainable tf.Variables; both are created, outside any Keras model, when
+the train step is first traced (so the center starts from the weights rank 0 broadcast before
+the first step, or those BackupAndRestore restored). Non-trainable variables (BatchNorm's
+moving statistics) are not elastic: each rank keeps its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_poseidon.comm import buckets as buckets_lib
+from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.sync import easgd_center
+from tf_poseidon.sync.base import Synchronizer, variable_names
+
+
+@dataclasses.dataclass
+class _Group:
+    """The elastic state of one set of trainable variables (one model's)."""
+
+    index: int
+    variables: list[tf.Variable]
+    names: list[str]
+    dtype: np.dtype              # the flat vector's dtype (async form)
+    sizes: list[int]
+    step: tf.Variable            # this rank's optimizer steps since the group was created
+    centers: list[tf.Variable]   # synchronous form: this rank's copy of c; async: empty
+
+    @property
+    def num_elements(self) -> int:
+        return sum(self.sizes)
+
+
+class EASGDSynchronizer(Synchronizer):
+    """mode="easgd": local steps, and an elastic move towards the center every τ steps.
+
+    Built by the strategy (lazily, while the first replica function is traced, on every rank
+    at the same point). The asynchronous form duplicates the engine's communicator there (a
+    collective, run on the engine thread so it is ordered with the engine's other work) and,
+    on rank 0, creates the center holder.
+    """
+
+    def __init__(self, engine, sequencer, config, num_replicas: int):
+        super().__init__(engine, sequencer, config, num_replicas)
+        self.tau = config.tau
+        self.alpha = float(config.alpha)
+        self.asynchronous = config.easgd_async
+        # Ranks meet only at elastic moves (sync form) or never (async), so the Keras
+        # integration keeps per-step metrics local: a per-step metric all-reduce would make
+        # every step wait for the slowest rank (see Synchronizer.lockstep).
+        self.lockstep = False
+        self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
+        self._groups: dict[tuple, _Group] = {}
+        self._swap_depth = 0
+        self.counters = easgd_center.ExchangeCounters()
+        self._holder = self._client = None
+        if self.asynchronous:
+            from mpi4py import MPI
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise RuntimeError("tf_poseidon: asynchronous EASGD needs an MPI library with "
+                                   "MPI_THREAD_MULTIPLE (the center holder's thread and the "
+                                   "engine's use MPI at the same time).")
+            comm = engine.call(lambda world_comm: world_comm.Dup())
+            if engine.rank == easgd_center.HOLDER_RANK:
+                self._holder = easgd_center.CenterHolder(comm, self.alpha)
+            else:
+                self._client = easgd_center.CenterClient(comm)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
+                         local_batch: tf.Tensor | None) -> list[tf.Tensor]:
+        """Replica context: the gradient of the mean loss over this rank's batch (no
+        communication). ``local_batch`` is ignored: each rank steps on its own batch."""
+        del variables, local_batch
+        return self.local_mean(grads)
+
+    def after_update(self, variables: Sequence[tf.Variable]) -> None:
+        """Replica context, after the optimizer's update: counts the step and, on every τ-th,
+        makes the elastic move (sync: an all-reduce every rank joins; async: an exchange with
+        rank 0 that blocks this rank's step only, at most the collective timeout)."""
+        group = self._group_for(list(variables))
+        step = group.step.assign_add(1)
+        move = self._move_async if self.asynchronous else self._move_sync
+        if self.tau == 1:
+            move(group)
+            return
+
+        def elastic() -> tf.Tensor:
+            move(group)
+            return tf.constant(0, tf.int64)
+        # Every rank takes the same branch in the synchronous form (same step count), so the
+        # all-reduce inside is joined by all; the Sequencer orders it with the other ops.
+        tf.cond(tf.equal(step % self.tau, 0), elastic, lambda: tf.constant(0, tf.int64))
+
+    def drain(self) -> None:
+        """Every rank, eagerly (collective in the async form): x_p ← c for every group, so all
+        ranks hold the center. Called at the end of ``fit``."""
+        for group, center in zip(self._ordered_groups(), self._center_values()):
+            for variable, value in zip(group.variables, center):
+                variable.assign(value)
+
+    @contextlib.contextmanager
+    def consistent_state(self):
+        """Every rank, eagerly: within it the model's trainable variables hold the center, equal
+        on every rank; on exit each rank's local weights are back. Collective in the async form
+        (a barrier, then rank 0 broadcasts the center it holds); re-entrant (only the outermost
+        swaps). Before the first train step there is no center yet: the weights are rank 0's
+        broadcast ones, and nothing is swapped."""
+        if self._swap_depth:
+            self._swap_depth += 1
+            try:
+                yield
+            finally:
+                self._swap_depth -= 1
+            return
+        groups = self._ordered_groups()
+        centers = self._center_values()
+        local = [[v.numpy() for v in g.variables] for g in groups]
+        for group, center in zip(groups, centers):
+            for variable, value in zip(group.variables, center):
+                variable.assign(value)
+        self._swap_depth = 1
+        try:
+            yield
+        finally:
+            self._swap_depth = 0
+            for group, values in zip(groups, local):
+                for variable, value in zip(group.variables, values):
+                    variable.assign(value)
+
+    # -- observability ----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """``strategy.stats()["mode"]``: the form, τ, α, and this rank's exchange counters
+        (async: exchanges, bytes its worker sent and received, seconds it waited; on rank 0
+        also ``served``, the holder's answers to the other ranks). The synchronous form's
+        all-reduces are the engine's group "easgd" (bytes in ``strategy.stats()``'s records)."""
+        report = {"form": "async" if self.asynchronous else "sync", "tau": self.tau,
+                  "alpha": self.alpha, **self.counters.as_dict()}
+        if self._holder is not None:
+            report["served"] = self._holder.served.as_dict()
+        return report
+
+    # -- groups, centers -------------------------------------------------------------------
+
+    def _ordered_groups(self) -> list[_Group]:
+        return sorted(self._groups.values(), key=lambda g: g.index)
+
+    def _group_for(self, variables: list[tf.Variable]) -> _Group:
+        key = tuple(v.ref() for v in variables)
+        group = self._groups.get(key)
+        if group is not None:
+            return group
+        index = len(self._groups)
+        with tf.init_scope():  # plain eager variables, also when called while tracing
+            step = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"easgd_step_{index}")
+            values = [v.numpy() for v in variables]
+            centers = [] if self.asynchronous else [
+                tf.Variable(value, trainable=False, name=f"easgd_center_{index}_{i}")
+                for i, value in enumerate(values)]
+        dtype = np.result_type(*[v.dtype for v in values]) if values else np.dtype("float32")
+        group = _Group(index, variables, variable_names(variables), dtype,
+                       [int(np.size(v)) for v in values], step, centers)
+        if self._holder is not None:
+            self._holder.register(index, _flatten(values, dtype))
+        self._groups[key] = group
+        return group
+
+    def _center_values(self) -> list[list[np.ndarray]]:
+        """Every group's center as numpy arrays shaped like its variables (eager)."""
+        groups = self._ordered_groups()
+        if not self.asynchronous:
+            return [[c.numpy() for c in g.centers] for g in groups]
+        holder = self._holder
+
+        def fetch(comm) -> list[np.ndarray]:
+            comm.Barrier()  # every rank's exchanges are done (a worker waits for its reply)
+            flats = []
+            for g in groups:
+                flat = holder.snapshot(g.index) if holder is not None \
+                    else np.empty(g.num_elements, g.dtype)
+                comm.Bcast(flat, root=easgd_center.HOLDER_RANK)
+                flats.append(flat)
+            return flats
+        flats = self.engine.call(fetch)
+        return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
+
+    # -- the elastic moves (graph) ----------------------------------------------------------
+
+    def _move_sync(self, group: _Group) -> None:
+        alpha = self.alpha
+        differences = [tf.cast(alpha, v.dtype) * (v.read_value() - c.read_value())
+                       for v, c in zip(group.variables, group.centers)]
+        plan = buckets_lib.plan_buckets(differences, self._bucket_bytes,
+                                        min(self._bucket_bytes,
+                                            buckets_lib.DEFAULT_FIRST_BUCKET_BYTES),
+                                        backprop_order=False)
+        total = graph_ops.bucketed_collective(self.engine, "easgd", differences, plan,
+                                              collectives.ALLREDUCE_SUM, self.sequencer,
+                                              group.names)
+        for variable, center, d, summed in zip(group.variables, group.centers, differences,
+                                               total):
+            variable.assign_sub(d)
+            center.assign_add(summed)
+
+    def _move_async(self, group: _Group) -> None:
+        count, dtype, index = len(group.variables), group.dtype, group.index
+        holder, client, counters = self._holder, self._client, self.counters
+
+        def exchange(*arrays: np.ndarray) -> np.ndarray:
+            x = _flatten(arrays[:count], dtype)
+            if holder is not None:
+                d = holder.exchange(index, x)
+                counters.exchanges += 1
+                return d
+            return client.exchange(index, x, counters)
+
+        def make(extra):
+            flat = tf.numpy_function(exchange, [v.read_value() for v in group.variables] + extra,
+                                     tf.as_dtype(dtype), stateful=True, name="tp_easgd_exchange")
+            flat.set_shape([group.num_elements])
+            return flat
+        flat = self.sequencer.run_in_order(make)
+        pieces = tf.split(flat, group.sizes) if count > 1 else [flat]
+        for variable, piece in zip(group.variables, pieces):
+            variable.assign_sub(tf.reshape(tf.cast(piece, variable.dtype), variable.shape))
+
+
+def _flatten(values: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """One new contiguous vector of ``values`` in ``dtype``."""
+    if not values:
+        return np.empty(0, dtype)
+    return np.concatenate([np.asarray(v).astype(dtype, copy=False).ravel() for v in values])
+
+
+def _unflatten(flat: np.ndarray, group: _Group) -> list[np.ndarray]:
+    out, offset = [], 0
+    for variable, n in zip(group.variables, group.sizes):
+        piece = flat[offset:offset + n].reshape(variable.shape.as_list())
+        out.append(piece.astype(variable.dtype.as_numpy_dtype, copy=False))
+        offset += n
+    return out
