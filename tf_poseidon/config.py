@@ -10,7 +10,6 @@ SFB_CHOICES = ("auto", "always", "never")
 
 # Features that later work adds; until then asking for them raises NotImplementedError.
 _NOT_YET = {
-    ("mode", "easgd"): "elastic averaging SGD (mode='easgd')",
     ("sfb", "always"): "sufficient factor broadcasting (sfb='always')",
 }
 
@@ -23,6 +22,20 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
         raise NotImplementedError(f"PoseidonStrategy: {_NOT_YET[(name, value)]} is not "
                                   "implemented yet in this version of tf_poseidon.")
     return value
+
+
+def _check_easgd_sync_alpha(alpha: float) -> None:
+    """Synchronous EASGD moves the center by α·P times the ranks' mean distance from it each
+    period: α·P must be < 1 (Zhang et al.'s β = α·P), or it overshoots and oscillates."""
+    from tf_poseidon import world
+    size = world.size()
+    if size > 1 and alpha * size >= 1.0:
+        raise ValueError(
+            f"PoseidonStrategy: alpha={alpha!r} is not valid for synchronous EASGD on {size} "
+            f"ranks: alpha·P = {alpha * size:g}, and it must be < 1 (each period the center "
+            "moves by alpha·P times the ranks' mean distance from it; at 1 or more it jumps "
+            f"to or past their mean and oscillates). Use alpha < 1/{size}, e.g. "
+            f"alpha={0.9 / size:.3g} (alpha·P = 0.9, as Zhang et al.), or easgd_async=True.")
 
 
 def _is_int(value) -> bool:
@@ -61,6 +74,8 @@ class StrategyConfig:
                 or not 0.0 < self.alpha <= 1.0:
             raise ValueError(f"PoseidonStrategy: alpha={self.alpha!r} is not valid; the EASGD "
                              "moving rate must be a number in (0, 1].")
+        if self.mode == "easgd" and self.easgd_async is False:
+            _check_easgd_sync_alpha(self.alpha)
         if not isinstance(self.easgd_async, bool):
             raise ValueError(f"PoseidonStrategy: easgd_async={self.easgd_async!r} is not "
                              "valid; allowed values are True and False.")

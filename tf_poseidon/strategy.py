@@ -38,10 +38,12 @@ from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm.engine import get_engine
 from tf_poseidon.config import StrategyConfig
 from tf_poseidon.sync.bsp import BSPSynchronizer
+from tf_poseidon.sync.easgd import EASGDSynchronizer
 from tf_poseidon.sync.ssp import ssp_synchronizer
 
 # mode -> synchronizer class (or factory); a new mode is one file in sync/ and one entry here.
-SYNCHRONIZERS = {"sync": BSPSynchronizer, "ssp": ssp_synchronizer}
+SYNCHRONIZERS = {"sync": BSPSynchronizer, "ssp": ssp_synchronizer,
+                 "easgd": EASGDSynchronizer}
 
 
 class PoseidonStrategy(distribute_lib.Strategy):
