@@ -9,7 +9,7 @@ Candidates are timed interleaved (A, B, A, B, ...); the best wall time of ``--re
 reported with the median, and the median CPU time of the process (all threads) per call, which
 other processes sharing the machine disturb less. Prints markdown tables.
 
-    python -m benchmarks.bench_ops [--repeats 15]     # from the repository root
+    python -m benchmarks.bench_ops [--repeats 15] [--intra-op-threads N]   # from the repo root
 """
 
 from __future__ import annotations
@@ -161,11 +161,16 @@ def bench_sfb(repeats: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per candidate")
+    parser.add_argument(
+        "--intra-op-threads", type=int, default=0, help="TensorFlow's intra-op threads (0: default)"
+    )
     args = parser.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(args.intra_op_threads)
     if not ops.available():
         raise SystemExit("the compiled ops are not available")
     print(
         f"TensorFlow {tf.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"intra-op threads {args.intra_op_threads or 'default'}, "
         f"{args.repeats} interleaved runs, load average at start {os.getloadavg()[0]:.1f}\n"
     )
     print("\n".join(bench_pack_unpack(args.repeats)))

@@ -89,7 +89,8 @@ void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunk
 }
 
 // Output tile of SfbReconstruct, one Eigen GEMM each: 64 rows by up to 4096 columns measured
-// 1.1-1.2x faster than one Eigen tensor contraction over the same pool (docs/kernels.md).
+// up to 1.1x faster than one Eigen tensor contraction over the same pool, and faster than 2-D
+// tiles (docs/kernels.md).
 constexpr int64_t kSfbTileRows = 64;
 constexpr int64_t kSfbTileCols = 4096;
 
