@@ -1,0 +1,78 @@
+"""One measurement of the SSP benchmark (benchmarks/bench_ssp.py, under tfposeidon-run).
+
+Keras fit of an MLP on synthetic data; with --straggle, rank 0 sleeps --delay seconds at the
+start of one step in five (injected here, by the benchmark, through a Keras callback). Prints
+on rank 0 one JSON line: samples per second over the timed steps (all ranks together).
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_poseidon as tp  # noqa: E402
+
+
+class Straggler(keras.callbacks.Callback):
+    def __init__(self, delay):
+        super().__init__()
+        self.delay = delay
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if tp.rank() == 0 and batch % 5 == 4:
+            time.sleep(self.delay)
+
+
+class Clock(keras.callbacks.Callback):
+    def __init__(self, warmup):
+        super().__init__()
+        self.warmup = warmup
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.warmup:
+            self.start, self.steps = time.perf_counter(), 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= self.warmup:
+            self.steps += 1
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="sync")
+    parser.add_argument("--staleness", type=int, default=0)
+    parser.add_argument("--straggle", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=128, help="per rank")
+    parser.add_argument("--width", type=int, default=1024)
+    args = parser.parse_args()
+    global_batch = args.batch * tp.size()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(global_batch * args.steps, args.width)).astype("float32")
+    y = rng.integers(0, 10, size=len(x)).astype("int32")
+    strategy = tp.PoseidonStrategy(mode=args.mode, staleness=args.staleness)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((args.width,))] +
+                                 [keras.layers.Dense(args.width, activation="relu")
+                                  for _ in range(3)] + [keras.layers.Dense(10)])
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    clock = Clock(args.warmup)
+    callbacks = [clock] + ([Straggler(args.delay)] if args.straggle else [])
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    seconds = time.perf_counter() - clock.start
+    if tp.is_chief():
+        print("RESULT " + json.dumps({"samples_per_s": clock.steps * global_batch / seconds}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
