@@ -53,6 +53,8 @@ def test_two_machines_over_ssh():
     assert ssh == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=12", "-p", "2222", "-i", "/k/id"]
     assert p.remote_hosts == ["server1", "server2"]
     assert p.agent == ["ssh", *ssh] and p.start_timeout == 12
+    prte = {value for flag, value in zip(p.argv, p.argv[1:]) if flag == "--prtemca"}
+    assert prte == set(launcher.KEEPALIVE)  # a lost host is noticed in seconds
     assert p.argv[-2:] == ["python", "train.py"]
 
 
