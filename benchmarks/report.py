@@ -321,7 +321,8 @@ In file included from .../tensorflow/include/xla/layout.h:32,
                  ...
                  from .../tensorflow/include/tensorflow/compiler/tf2xla/xla_op_kernel.h:23,
                  from horovod/tensorflow/xla_mpi_ops.cc:25:
-.../tensorflow/include/xla/printer.h:29:10: fatal error: highwayhash/arch_specific.h: No such file or directory
+.../tensorflow/include/xla/printer.h:29:10: fatal error: highwayhash/arch_specific.h: \
+No such file or directory
    29 | #include "highwayhash/arch_specific.h"
 compilation terminated.
 ```
@@ -392,6 +393,7 @@ def markdown(run: dict) -> str:
         "",
         *result_table(rows),
         "",
+        *_load_warning(rows, env),
         "## Goals of the issue",
         "",
         "Best tf_poseidon configuration at each number of hosts and link; goals: ≥ 5× MWMS "
@@ -433,13 +435,29 @@ def markdown(run: dict) -> str:
         DEFINITIONS,
         HOROVOD,
     ]
-    failed = [r for r in rows if r["status"] not in ("ok", "not available")]
+    failed = [r for r in rows if r["status"] not in ("ok", "not available", "not run")]
     if failed:
         lines += ["## Failures", ""]
         lines += [f"- {r['model']} {link_label(r['bandwidth'], r['ranks'])} {r['config']}: "
                   f"{r['status']}: {r.get('message', '')}" for r in failed]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _load_warning(rows: list[dict], env: dict) -> list[str]:
+    """A warning paragraph if some figures were measured on an oversubscribed machine."""
+    try:
+        cores = int(str(env.get("cores", "")).split()[0])
+    except (ValueError, IndexError):
+        return []
+    busy = [r for r in rows if (r.get("loadavg") or 0) > 2 * cores]
+    if not busy:
+        return []
+    return [f"**Caution:** {len(busy)} of these figures were measured while the machine's "
+            f"load average exceeded {2 * cores} on its {cores} cores (other jobs were running; "
+            "see the load column). They understate what the configurations do on an idle "
+            "machine, the compute-heavy CNNs most; rerun the suite on an idle machine for "
+            "figures to compare.", ""]
 
 
 def chart(run: dict, path: str) -> None:

@@ -319,11 +319,15 @@ _NOISE = ("WARNING: All log messages before absl::InitializeLog()", "oneDNN cust
 
 
 def _error_line(log: str) -> str:
-    """The most telling line of a failed job's output: the last ``SomethingError: ...`` line,
-    else the last line that is not TensorFlow's start-up chatter."""
+    """The most telling line of a failed job's output: the first Python exception line
+    (``SomeError: ...``; the rank that failed first prints it first), else the last line
+    mentioning an error, else the last line that is not TensorFlow's start-up chatter."""
     lines = [line.strip() for line in log.splitlines()
              if line.strip() and not any(n in line for n in _NOISE)]
-    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception|Exit)\b:?", line)
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)]
+    if raised:
+        return raised[0][:400]
+    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception)\b", line)
               or "Killed" in line or "ABORT" in line.upper()]
     found = errors or lines
     return found[-1][:400] if found else "no output"
@@ -474,8 +478,20 @@ def run_suite(settings: dict, emulate: bool, emulation: str, output: Output, com
             raise
     finally:
         run["finished"] = _now()
+        if run["status"] != "complete":
+            mark_not_run(run, todo)
         output.save(run)
     return run
+
+
+def mark_not_run(run: dict, todo) -> None:
+    """Adds a "not run" result for every planned configuration the run did not reach."""
+    seen = {(r["model"], r["config"], r["ranks"], r["bandwidth"]) for r in run["results"]}
+    for ranks, bandwidth, model, config in todo:
+        if (model, config.name, ranks, bandwidth) not in seen:
+            run["results"].append({"model": model, "config": config.name, "ranks": ranks,
+                                   "bandwidth": bandwidth, "status": "not run",
+                                   "message": "the run ended before this configuration"})
 
 
 def _summary(r: dict) -> str:
@@ -583,6 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         with open(args.report_only) as f:
             run = json.load(f)
+        refresh_failure_messages(run)
+        if run.get("status") != "complete":
+            mark_not_run(run, plan(run["settings"]))
         output.save(run)
         print_tables(run)
         return 0
@@ -601,6 +620,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_tables(run)
     print(f"\nWrote {output.md_path}, {output.png_path}, {output.json_path}")
     return 130 if run["status"] == "interrupted" else 0
+
+
+def refresh_failure_messages(run: dict) -> None:
+    """Re-reads the error line of failed configurations from their logs, where the logs
+    still exist (so that a better :func:`_error_line` applies to a saved run)."""
+    for r in run["results"]:
+        log = r.get("log")
+        if r["status"] == "failed" and log and os.path.exists(log):
+            with open(log, errors="replace") as f:
+                text = f.read()
+            head, sep, _ = r["message"].partition("; ")
+            r["message"] = f"{head}{sep or '; '}{_error_line(text)}"
 
 
 def decide_emulation(no_netns: bool, settings: dict) -> tuple[bool, str]:

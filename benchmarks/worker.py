@@ -3,7 +3,7 @@
 ::
 
     python -m benchmarks.worker --kind single   --model fc --out DIR --name single
-    tfposeidon-run ... python -m benchmarks.worker --kind poseidon --options '{"overlap": false}' ...
+    tfposeidon-run ... python -m benchmarks.worker --kind poseidon --options '{"sfb": "never"}'
     mpirun ... python -m benchmarks.worker --kind mwms --peers 10.77.0.1:23456,10.77.0.2:23456 ...
 
 Kinds:
