@@ -9,9 +9,7 @@ COMPRESSIONS = ("none", "fp16", "bf16")
 SFB_CHOICES = ("auto", "always", "never")
 
 # Features that later work adds; until then asking for them raises NotImplementedError.
-_NOT_YET = {
-    ("sfb", "always"): "sufficient factor broadcasting (sfb='always')",
-}
+_NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> str:
@@ -56,6 +54,7 @@ class StrategyConfig:
     bucket_bytes: int | None = None
     overlap: bool = True
     timeline: str | None = None
+    bandwidth_gbps: float | None = None
 
     def __post_init__(self):
         _choice("mode", self.mode, MODES)
@@ -90,3 +89,10 @@ class StrategyConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"PoseidonStrategy: overlap={self.overlap!r} is not valid; "
                              "allowed values are True and False.")
+        if self.bandwidth_gbps is not None and (
+                isinstance(self.bandwidth_gbps, bool)
+                or not isinstance(self.bandwidth_gbps, (int, float))
+                or not 0.0 < self.bandwidth_gbps < float("inf")):
+            raise ValueError(f"PoseidonStrategy: bandwidth_gbps={self.bandwidth_gbps!r} is not "
+                             "valid; it must be None (measure it) or a positive number of "
+                             "Gbit/s per rank.")

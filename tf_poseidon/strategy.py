@@ -74,6 +74,9 @@ class PoseidonStrategy(distribute_lib.Strategy):
       timeline: path of a Chrome-trace JSON file (Perfetto, chrome://tracing) that rank 0
         writes at exit with every rank's per-bucket communication events; the same as setting
         ``TF_POSEIDON_TIMELINE`` (or ``tfposeidon-run --timeline-filename``).
+      bandwidth_gbps: the network bandwidth per rank in Gbit/s that the SFB cost model
+        assumes; None (default) measures it with a short probe when a train step is first
+        traced (see :meth:`plan`).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -84,11 +87,13 @@ class PoseidonStrategy(distribute_lib.Strategy):
     def __init__(self, mode: str = "sync", compression: str = "none", sfb: str = "auto",
                  staleness: int = 0, tau: int = 1, alpha: float = 0.5,
                  easgd_async: bool = False, bucket_bytes: int | None = None,
-                 overlap: bool = True, timeline: str | None = None):
+                 overlap: bool = True, timeline: str | None = None,
+                 bandwidth_gbps: float | None = None):
         config = StrategyConfig(mode=mode, compression=compression, sfb=sfb,
                                 staleness=staleness, tau=tau, alpha=alpha,
                                 easgd_async=easgd_async, bucket_bytes=bucket_bytes,
-                                overlap=overlap, timeline=timeline)
+                                overlap=overlap, timeline=timeline,
+                                bandwidth_gbps=bandwidth_gbps)
         if timeline:
             os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))
@@ -108,6 +113,18 @@ class PoseidonStrategy(distribute_lib.Strategy):
         sync mode, where nothing is ever pending.
         """
         self.extended.drain()
+
+    def plan(self):
+        """The per-layer SFB plan: which Dense kernels travel as sufficient factors, and why.
+
+        Any rank, any time, non-blocking; prints the table on rank 0 and returns a
+        ``tf_poseidon.sacp.Plan`` (``rows``: layer, kernel shape, local batch K, bytes by
+        all-reduce and by SFB, estimated times, choice and reason; ``as_dict()``). The plan
+        is made, and agreed by every rank, when the train step is first traced; before that
+        the returned plan has no rows and its note says so. See docs/sfb.md.
+        """
+        from tf_poseidon import sacp
+        return sacp.plan_of(self)
 
     def stats(self, last_steps: int = 20) -> dict:
         """This rank's communication statistics for its last ``last_steps`` training steps.

@@ -1,0 +1,127 @@
+"""The cost model: per Dense layer, all-reduce or sufficient factors, and the rates it uses.
+
+For a kernel W of M×N, local batch K, P ranks and b bytes per element on the wire:
+
+* ring all-reduce sends (and receives) per rank ``2(P-1)/P·M·N·b`` bytes; each rank also forms
+  its local gradient xᵀδ: ``2·M·N·K`` flops;
+* SFB all-gathers the factors: ``(P-1)·K·(M+N)·b`` bytes per rank, then reconstructs
+  ΔW = Σ_p U_pᵀV_p: ``2·M·N·P·K`` flops (and the local xᵀδ is not computed).
+
+Estimated times are bytes / bandwidth + flops / compute rate, plus for SFB two network
+latencies (its all-gather is two rounds, and the factors travel in a bucket of their own) and a
+fixed :data:`SFB_OVERHEAD_S` for the hand-over and unpacking of the gathered factors. With
+``sfb="auto"`` a layer goes by SFB iff its estimate is lower. The bandwidth, latency and compute
+rate are measured once by :func:`measure_rates` (a collective: timed all-reduces and a timed
+reconstruction, the slowest rank's times agreed on every rank), or the bandwidth is given
+(``PoseidonStrategy(bandwidth_gbps=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+SFB_OVERHEAD_S = 1e-3
+"""Fixed cost charged to every SFB layer: hand-over to the engine, gathering the header,
+unpacking the gathered factors (measured ~0.2–1 ms on 2 busy cores). Keeps small layers, whose
+savings are below it, on the all-reduce they share with the other gradients."""
+
+PROBE_BYTES = 4 * 2**20  # the timed all-reduce (above a shaped link's 1 MB burst)
+PROBE_MATMUL = (256, 512, 512)  # rows R, M, N of the timed reconstruction
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the cost model assumes about the network and the host (equal on every rank)."""
+
+    bandwidth_bytes_s: float  # per rank and direction
+    latency_s: float  # one small collective round
+    flops_s: float  # reconstruction (ops.sfb_reconstruct) throughput
+    source: str  # "measured", or "bandwidth given" when bandwidth_gbps was passed
+
+    def describe(self) -> str:
+        return (f"bandwidth {self.bandwidth_bytes_s * 8 / 1e9:.3g} Gbit/s, latency "
+                f"{self.latency_s * 1e3:.3g} ms, reconstruction {self.flops_s / 1e9:.3g} "
+                f"GFlop/s ({self.source})")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    bytes_allreduce: float  # per rank, sent (= received) per step
+    bytes_sfb: float
+    time_allreduce_s: float
+    time_sfb_s: float
+
+
+def layer_cost(m: int, n: int, k: int, num_replicas: int, element_bytes: int,
+               rates: Rates | None) -> LayerCost:
+    """Bytes and estimated seconds per step of both ways of reducing an M×N kernel gradient
+    (formulas in the module docstring); times are NaN without ``rates``."""
+    p = num_replicas
+    bytes_ar = 2 * (p - 1) / p * m * n * element_bytes
+    bytes_sfb = (p - 1) * k * (m + n) * element_bytes
+    if rates is None:
+        return LayerCost(bytes_ar, bytes_sfb, float("nan"), float("nan"))
+    time_ar = bytes_ar / rates.bandwidth_bytes_s + 2 * m * n * k / rates.flops_s
+    time_sfb = (bytes_sfb / rates.bandwidth_bytes_s + 2 * m * n * p * k / rates.flops_s
+                + 2 * rates.latency_s + SFB_OVERHEAD_S)
+    return LayerCost(bytes_ar, bytes_sfb, time_ar, time_sfb)
+
+
+def sfb_may_pay(m: int, n: int, k: int, num_replicas: int) -> bool:
+    """Whether SFB moves fewer bytes at all (P·K·(M+N) < 2·M·N, Poseidon's rule); if not for
+    any layer, ``auto`` needs no measurement: all-reduce wins on bytes and on compute."""
+    return num_replicas * k * (m + n) < 2 * m * n
+
+
+def measure_rates(comm, bandwidth_gbps: float | None) -> Rates:
+    """Collective (every rank, on the engine thread, blocking for ~0.1–0.5 s): times small and
+    ``PROBE_BYTES`` all-reduces (unless ``bandwidth_gbps`` is given) and a reconstruction of
+    :data:`PROBE_MATMUL`; every rank gets the same Rates (the slowest rank's times)."""
+    from mpi4py import MPI
+
+    from tf_poseidon import ops
+
+    def timed_allreduce(buffer: np.ndarray, repeats: int) -> list[float]:
+        times = []
+        for _ in range(repeats):
+            comm.Barrier()
+            start = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+            times.append(time.perf_counter() - start)
+        return times
+
+    r, m, n = PROBE_MATMUL
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal((r, m), dtype=np.float32)
+    v = rng.standard_normal((r, n), dtype=np.float32)
+    ops.sfb_reconstruct(u, v)  # warm-up (and op loading)
+    matmul_times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        ops.sfb_reconstruct(u, v).numpy()
+        matmul_times.append(time.perf_counter() - start)
+    small = np.zeros(2, np.float32)
+    timed_allreduce(small, 2)  # warm-up
+    latency = statistics.median(timed_allreduce(small, 5))
+    big_time = 0.0
+    if bandwidth_gbps is None:
+        big = np.zeros(PROBE_BYTES // 4, np.float32)
+        big_time = min(timed_allreduce(big, 3))  # min: the capacity, not the noise
+    # The slowest rank's figures, on every rank.
+    figures = np.array([min(matmul_times), latency, big_time], np.float64)
+    comm.Allreduce(MPI.IN_PLACE, figures, op=MPI.MAX)
+    matmul_s, latency, big_time = (float(f) for f in figures)
+    flops = 2 * r * m * n / max(matmul_s, 1e-9)
+    size = comm.Get_size()
+    if bandwidth_gbps is None:
+        moved = 2 * (size - 1) / size * PROBE_BYTES
+        bandwidth = moved / max(big_time - latency, 1e-9)
+        source = "measured"
+    else:
+        bandwidth = bandwidth_gbps * 1e9 / 8
+        source = "bandwidth given"
+    return Rates(bandwidth, latency, flops, source)
