@@ -337,7 +337,7 @@ DEFINITIONS = """\
 ## How the figures are measured
 
 - **samples/s**: rows processed per second by all ranks together over the timed steps
-  (Σ over ranks of batch × steps ÷ that rank's timed wall time).
+  (Σ over ranks of batch × timed steps ÷ the slowest rank's timed wall time).
 - **step s**: wall time per timed step of the slowest rank, from the end of the last warm-up
   step to the end of the last step; a step ends when its loss has reached Python (Keras
   callback `on_train_batch_end` for `fit`; `.numpy()` of the loss in MWMS's custom loop).

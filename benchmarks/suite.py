@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import json
 import os
 import platform
@@ -49,6 +48,15 @@ import tempfile
 import threading
 import time
 from typing import Sequence
+
+if __package__ in (None, ""):
+    # Run as a file (python benchmarks/X.py): make the ``benchmarks`` package importable by
+    # appending the repository root, after everything else, so that an installed tf_poseidon
+    # is not shadowed by the checkout; and drop this directory (its module names are generic).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    sys.path.append(os.path.dirname(_HERE))
 
 from benchmarks import report
 from benchmarks.models import MODELS
@@ -173,12 +181,15 @@ def unavailable(config: Config) -> str | None:
 def command_for(config: Config, cluster, model: str, name: str, settings: dict,
                 rundir: str) -> list[str]:
     """The argv (run on the cluster's first host) for ``config``."""
-    worker = [sys.executable, "-m", "benchmarks.worker", "--model", model, "--name", name,
+    # The worker runs as a file: the ranks then import tf_poseidon as the environment says
+    # (rank_env), not necessarily from the directory they start in.
+    worker = [sys.executable, os.path.join(ROOT, "benchmarks", "worker.py"), "--model", model,
+              "--name", name,
               "--out", rundir, "--batch", str(settings["batch"]), "--warmup",
               str(settings["warmup"]), "--steps", str(settings["steps"])]
     if nic_of(cluster):
         worker += ["--nic", nic_of(cluster)]
-    forward = [x for var in ["PATH", "PYTHONPATH", *RANK_ENV] for x in ("-x", var)]
+    forward = [x for var in ["PATH", *rank_env()] for x in ("-x", var)]
     if config.kind == "single":
         return [*worker, "--kind", "single"]
     if config.kind == "concurrent":
@@ -192,8 +203,18 @@ def command_for(config: Config, cluster, model: str, name: str, settings: dict,
 
 
 def rank_env() -> dict[str, str]:
+    """What every rank's environment gets on top of the suite's: one compute thread, and a
+    PYTHONPATH under which the ranks import the same tf_poseidon as the suite (the checkout's
+    if that is the one the suite imported; else the user's PYTHONPATH is left as it is)."""
+    import tf_poseidon
+    env = dict(RANK_ENV)
     path = os.environ.get("PYTHONPATH", "")
-    return {**RANK_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, path]))}
+    origin = os.path.dirname(os.path.dirname(os.path.abspath(tf_poseidon.__file__)))
+    if origin == ROOT and ROOT not in path.split(os.pathsep):
+        path = os.pathsep.join(filter(None, [ROOT, path]))
+    if path:
+        env["PYTHONPATH"] = path
+    return env
 
 
 def run_config(config: Config, cluster, model: str, ranks: int, bandwidth: str | None,
@@ -257,14 +278,16 @@ def run_config(config: Config, cluster, model: str, ranks: int, bandwidth: str |
 
 
 def aggregate(per_rank: list[dict], batch: int) -> dict:
-    """The result figures from the ranks' files: samples/s of all ranks together, the
-    slowest rank's step time, and per-host wire bytes per timed step."""
+    """The result figures from the ranks' files: samples/s of all ranks together (all
+    timed samples over the slowest rank's timed wall time: a rank running ahead, as SSP and
+    EASGD allow, does not count for more than the job finishes), the slowest rank's step
+    time, and per-host wire bytes per timed step."""
     per_rank = sorted(per_rank, key=lambda r: r["rank"])
     steps = per_rank[0]["steps"]
     step_times = [t for r in per_rank for t in r["step_times_s"]]
     slowest = max(per_rank, key=lambda r: r["window_s"])
     out = {
-        "samples_per_s": sum(batch * r["steps"] / r["window_s"] for r in per_rank),
+        "samples_per_s": sum(batch * r["steps"] for r in per_rank) / slowest["window_s"],
         "step_s": slowest["window_s"] / slowest["steps"],
         "step_median_s": sorted(slowest["step_times_s"])[len(slowest["step_times_s"]) // 2],
         "step_min_s": min(step_times),
@@ -274,6 +297,7 @@ def aggregate(per_rank: list[dict], batch: int) -> dict:
                               for r in per_rank],
         "rx_bytes_per_step": [r["rx_bytes"] / r["steps"] if "rx_bytes" in r else None
                               for r in per_rank],
+        "windows_s": [r["window_s"] for r in per_rank],
         "hosts": [r["host"] for r in per_rank],
         "affinity_cpus": [r["affinity_cpus"] for r in per_rank],
         "loadavg": max(r["loadavg"] for r in per_rank),
@@ -373,9 +397,15 @@ def environment() -> dict[str, str]:
         "Python": platform.python_version(),
         "TensorFlow": tf_v, "Keras": keras_v, "Open MPI": ompi, "mpi4py": mpi4py_v,
         "tf_poseidon commit": git,
+        "tf_poseidon imported from": _tf_poseidon_dir(),
         "load average at start (1 min)": f"{os.getloadavg()[0]:.2f} (other jobs may share "
                                          "the machine: see the load column)",
     }
+
+
+def _tf_poseidon_dir() -> str:
+    import tf_poseidon
+    return os.path.dirname(os.path.abspath(tf_poseidon.__file__))
 
 
 class Output:
@@ -612,8 +642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     emulate, emulation = decide_emulation(args.no_netns, settings)
     if not emulate:
         settings["bandwidths"] = [None]
-    command = "python -m benchmarks.suite " + shlex.join(
-        sys.argv[1:] if argv is None else list(argv))
+    prog = "python -m benchmarks.suite" if __package__ else "python benchmarks/suite.py"
+    command = prog + " " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     print(f"Emulation: {emulation}", flush=True)
     run = run_suite(settings, emulate, emulation, output, command.strip(),
                     say=lambda text: print(text, flush=True))

@@ -2,9 +2,9 @@
 
 ::
 
-    python -m benchmarks.worker --kind single   --model fc --out DIR --name single
-    tfposeidon-run ... python -m benchmarks.worker --kind poseidon --options '{"sfb": "never"}'
-    mpirun ... python -m benchmarks.worker --kind mwms --peers 10.77.0.1:23456,10.77.0.2:23456 ...
+    python benchmarks/worker.py --kind single --model fc --out DIR --name single
+    tfposeidon-run ... python benchmarks/worker.py --kind poseidon --options '{"sfb": "never"}'
+    mpirun ... python benchmarks/worker.py --kind mwms --peers 10.77.0.1:23456,10.77.0.2:23456
 
 Kinds:
 
@@ -37,6 +37,15 @@ import os
 import socket
 import sys
 import time
+
+if __package__ in (None, ""):
+    # Run as a file (python benchmarks/X.py): make the ``benchmarks`` package importable by
+    # appending the repository root, after everything else, so that an installed tf_poseidon
+    # is not shadowed by the checkout; and drop this directory (its module names are generic).
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
+        del sys.path[0]
+    sys.path.append(os.path.dirname(_HERE))
 
 _T0 = time.perf_counter()
 
@@ -242,7 +251,7 @@ def wait_for_results(args, size: int, timeout_s: float = 120.0) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.worker")
+    parser = argparse.ArgumentParser(prog="benchmarks/worker.py")
     parser.add_argument("--kind", choices=("single", "poseidon", "mwms"), required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--name", required=True, help="configuration name (file names)")
