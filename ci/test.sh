@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv || exit 1
 .venv/bin/pip install --quiet '.[test]' || exit 1
 # The suite must run the compiled op: failing to build or load it is an error, not a fallback.
-TF_POSEIDON_REQUIRE_OPS=1 .venv/bin/pytest -p no:cacheprovider tests "$@"
+TF_POSEIDON_REQUIRE_OPS=1 .venv/bin/pytest -p no:cacheprovider -rs --durations=15 tests "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
     echo "ci/test.sh: pytest collected no tests; that is a failure" >&2
