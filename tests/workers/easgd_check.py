@@ -7,11 +7,11 @@ writes what the test checks, on every rank, to OUT/rank<r>.npz.
 
 The model is Dense(1) with mean squared error and plain SGD, so the test can replay the
 synchronous form exactly in numpy from the saved initial weights and data. Every rank seeds
-differently (rank 0's initial weights must reach the others). Saved: the data, the initial
-weights (each rank's own, before rank 0's are broadcast), the weights at the end of epoch 0 outside and inside
-``consistent_state`` and after leaving it, the local weights at the end of training (before
-``fit``'s drain), the weights after ``fit``, evaluate's results, per-batch end times, and the
-synchronizer's stats.
+differently (rank 0's initial weights must reach the others). Saved: the data, each rank's
+own initial weights (before rank 0's are broadcast), the weights at the end of epoch 0 outside
+and inside ``consistent_state`` and after leaving it, the local weights at the end of training
+(before ``fit``'s drain), the weights after ``fit``, evaluate's results, per-batch end times,
+and the synchronizer's stats.
 """
 
 import argparse
