@@ -4,6 +4,8 @@ Real jobs (tests/workers/easgd_check.py, easgd_digits.py):
 * the synchronous form replayed exactly in numpy (local SGD steps, elastic move every τ steps
   counted across epochs and ``steps_per_execution`` loops, validation and ``consistent_state``
   in the middle of training), P=3;
+* the asynchronous form's protocol alone (tests/workers/easgd_center_check.py), P=3, in many
+  chunks, checked exactly;
 * the asynchronous form, P=2, with rank 1 slowed by a callback: rank 0 is not held back; the
   center is what every rank gets from ``consistent_state``, ``fit`` and ``evaluate``;
 * convergence: examples/train_digits.py within 2% of sync mode's test accuracy, both forms,
@@ -118,6 +120,15 @@ def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
 
 
 # -- the asynchronous form ---------------------------------------------------------------------
+
+def test_center_protocol_in_many_chunks_with_interleaved_workers():
+    # Pure protocol (easgd_center.py, no TensorFlow): 64-byte chunks, float32 and float64, 3 ranks
+    # exchanging at once, a group registered on rank 0 after its first exchange was sent.
+    result, _ = run_job(3, "easgd_center_check.py", timeout=120, env={"TF_POSEIDON_TIMEOUT": "30"})
+    output = check(result)
+    for rank in range(3):
+        assert f"CENTER OK rank {rank}" in output
+
 
 def test_asynchronous_form_does_not_wait_for_a_slow_rank(tmp_path):
     steps, slow_s = 20, 0.25

@@ -15,14 +15,17 @@ whenever a worker reaches its period, and a slow rank must not hold back anyone'
 Protocol (tags below; one pair of tags per *group*, the trainable variables of one model):
 
 * worker p ≠ 0 → rank 0, tag ``EXCHANGE + 2·g``: x_p, its group's variables flattened (one
-  dtype, the variables' common numpy result type);
-* rank 0 → p, tag ``REPLY + 2·g``: d = α(x_p − c), computed with the center *before* the
-  update; then c ← c + d. The worker applies x_p ← x_p − d.
+  dtype, the variables' common numpy result type), in chunks of at most ``CHUNK_BYTES``;
+* rank 0 → p, tag ``REPLY + 2·g``, chunk by chunk as each arrives: d = α(x_p − c), computed
+  with the center *before* the update; then c ← c + d. The worker applies x_p ← x_p − d.
 
-The worker posts its receive before its send, so the holder's reply never waits for a matching
-receive; the holder answers requests one at a time, in the order MPI matches them. A request
-for a group rank 0 has not traced yet (it traces its train step later than a fast worker) is
-kept and answered once that group exists.
+Chunks make the exchange full duplex: the replies to the first chunks travel back while the
+last ones are still on their way in, so an exchange costs about one transfer of the parameters
+rather than two (MPI keeps messages of one sender and tag in order, so chunk k meets chunk k).
+The worker posts all its receives before its sends, so no reply waits for a matching receive;
+the holder answers one worker's exchange at a time, in the order MPI matches their first
+chunks. An exchange for a group rank 0 has not traced yet (it traces its train step later
+than a fast worker) waits, unmatched, until that group exists.
 
 Threads and MPI: the worker side calls MPI from the TensorFlow op that runs the exchange (an
 inter-op thread), the holder from its own thread, the engine from its own thread:
@@ -30,7 +33,10 @@ inter-op thread), the holder from its own thread, the engine from its own thread
 Every wait polls (``Test``/``Improbe``) with a sleep that grows to a few milliseconds, so a
 waiting thread gives its core to TensorFlow (a blocking MPI wait would spin on it), and gives
 up after :func:`~tf_poseidon.comm.engine.collective_timeout_s` with a message naming what it
-waited for.
+waited for. Measured here: mpi4py's pickle-based calls (``comm.reduce``, ``comm.allgather``,
+...) keep the GIL while they wait, so while rank 0 is blocked in one of them its holder thread
+cannot answer; rank 0 only waits for others in buffer calls (``Barrier``, ``Bcast``) while
+exchanges may be in flight (``EASGDSynchronizer`` fetches the center that way).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from tf_poseidon.comm.engine import CollectiveTimeoutError, collective_timeout_s
 EXCHANGE_TAG = 7100
 REPLY_TAG = 7101
 HOLDER_RANK = 0
+CHUNK_BYTES = 1 << 20
 
 _FIRST_SLEEP_S = 50e-6
 _LONGEST_SLEEP_S = 2e-3
@@ -77,6 +84,12 @@ def _poll(done: Callable[[], bool], timeout_s: float, what: str,
         time.sleep(sleep)
         sleep = min(2 * sleep, _LONGEST_SLEEP_S)
     return True
+
+
+def chunk_bounds(num_elements: int, itemsize: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a flat vector; one (empty) chunk for an empty vector."""
+    step = max(1, CHUNK_BYTES // itemsize)
+    return [(a, min(a + step, num_elements)) for a in range(0, num_elements, step)] or [(0, 0)]
 
 
 class ExchangeCounters:
@@ -126,15 +139,18 @@ class CenterHolder:
             self._thread.start()
             atexit.register(self.close)
 
-    def exchange(self, group: int, x: np.ndarray) -> np.ndarray:
-        """One elastic exchange: returns d = α(x − c) and moves c ← c + d (under the lock)."""
+    def exchange(self, group: int, x: np.ndarray, start: int = 0) -> np.ndarray:
+        """One elastic exchange of ``x``, the elements [start, start + x.size) of ``group``'s
+        flat vector: returns d = α(x − c) and moves c ← c + d (under the lock)."""
         with self._lock:
-            center = self._centers[group]
-            if x.shape != center.shape or x.dtype != center.dtype:
+            full = self._centers[group]
+            if x.dtype != full.dtype or start + x.size > full.size:
                 raise ValueError(f"tf_poseidon EASGD: exchange of group {group} with "
-                                 f"{x.size} {x.dtype} values; the center has {center.size} "
-                                 f"{center.dtype}. Every rank must train the same model.")
-            d = (x - center) * center.dtype.type(self._alpha)
+                                 f"{x.size} {x.dtype} values at {start}; the center has "
+                                 f"{full.size} {full.dtype}. Every rank must train the same "
+                                 "model.")
+            center = full[start:start + x.size]
+            d = (x - center) * full.dtype.type(self._alpha)
             center += d
         return d
 
@@ -157,29 +173,28 @@ class CenterHolder:
 
     def _serve(self) -> None:
         MPI = _mpi()
-        waiting: list[tuple[object, int, int, int]] = []  # (message, source, group, count)
         status = MPI.Status()
         sleep = _FIRST_SLEEP_S
         try:
             while not self._stop.is_set():
-                message = self._comm.Improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG,
-                                             status=status)
-                if message is not None:
-                    tag = status.Get_tag()
-                    group = (tag - EXCHANGE_TAG) // 2
-                    waiting.append((message, status.Get_source(), group,
-                                    status.Get_count(MPI.BYTE)))
                 with self._lock:
                     known = len(self._centers)
-                ready = [w for w in waiting if w[2] < known]
-                if not ready:
+                # Only groups rank 0 has: a later group's chunks stay unmatched in MPI until it
+                # is registered (matching its first chunk early would let a later Improbe take
+                # its second chunk for a first one).
+                answered = False
+                for group in range(known):
+                    message = self._comm.Improbe(source=MPI.ANY_SOURCE,
+                                                 tag=EXCHANGE_TAG + 2 * group, status=status)
+                    if message is not None:
+                        self._answer(message, status.Get_source(), group,
+                                     status.Get_count(MPI.BYTE))
+                        answered = True
+                if answered:
+                    sleep = _FIRST_SLEEP_S
+                else:
                     time.sleep(sleep)
                     sleep = min(2 * sleep, _LONGEST_SLEEP_S)
-                    continue
-                sleep = _FIRST_SLEEP_S
-                for item in ready:
-                    waiting.remove(item)
-                    self._answer(*item)
         except BaseException as e:  # reported by the workers' timeouts and by snapshot users
             self._error = e
             import sys
@@ -191,15 +206,30 @@ class CenterHolder:
     def _answer(self, message, source: int, group: int, count: int) -> None:
         with self._lock:
             template = self._centers[group]
-        x = np.empty(count // template.dtype.itemsize, template.dtype)
-        message.Recv(x)
-        d = self.exchange(group, x)
-        request = self._comm.Isend(d, dest=source, tag=REPLY_TAG + 2 * group)
-        _poll(request.Test, collective_timeout_s(), f"the EASGD reply to rank {source}",
-              self._stop.is_set)
+        bounds = chunk_bounds(template.size, template.dtype.itemsize)
+        first = (bounds[0][1] - bounds[0][0]) * template.dtype.itemsize
+        if count != first:
+            raise ValueError(f"tf_poseidon EASGD: rank {source} sent a first chunk of {count} "
+                             f"bytes for group {group}; the center's is {first}. Every rank "
+                             "must train the same model.")
+        x = np.empty(template.size, template.dtype)
+        tag = EXCHANGE_TAG + 2 * group
+        receives = [message.Irecv(x[bounds[0][0]:bounds[0][1]])] + [
+            self._comm.Irecv(x[a:b], source=source, tag=tag) for a, b in bounds[1:]]
+        sends, replies = [], []
+        timeout = collective_timeout_s()
+        for (a, b), receive in zip(bounds, receives):
+            if not _poll(receive.Test, timeout, f"the EASGD exchange from rank {source}",
+                         self._stop.is_set):
+                return
+            d = self.exchange(group, x[a:b], a)
+            replies.append(d)  # alive until its send completes
+            sends.append(self._comm.Isend(d, dest=source, tag=REPLY_TAG + 2 * group))
+        _poll(lambda: _mpi().Request.Testall(sends), timeout,
+              f"the EASGD reply to rank {source}", self._stop.is_set)
         self.served.exchanges += 1
         self.served.bytes_received += x.nbytes
-        self.served.bytes_sent += d.nbytes
+        self.served.bytes_sent += x.nbytes
 
 
 class CenterClient:
@@ -212,9 +242,11 @@ class CenterClient:
         """Blocks the calling thread until rank 0 answered (at most the collective timeout)."""
         reply = np.empty_like(x)
         start = time.perf_counter()
-        receive = self._comm.Irecv(reply, source=HOLDER_RANK, tag=REPLY_TAG + 2 * group)
-        send = self._comm.Isend(x, dest=HOLDER_RANK, tag=EXCHANGE_TAG + 2 * group)
-        requests = [send, receive]
+        bounds = chunk_bounds(x.size, x.dtype.itemsize)
+        requests = [self._comm.Irecv(reply[a:b], source=HOLDER_RANK, tag=REPLY_TAG + 2 * group)
+                    for a, b in bounds]
+        requests += [self._comm.Isend(x[a:b], dest=HOLDER_RANK, tag=EXCHANGE_TAG + 2 * group)
+                     for a, b in bounds]
         _poll(lambda: _mpi().Request.Testall(requests), collective_timeout_s(),
               "an exchange with the EASGD center holder (rank 0)")
         counters.exchanges += 1
