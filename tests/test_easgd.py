@@ -61,14 +61,17 @@ def test_a_wait_for_the_center_holder_times_out_with_a_message():
 
 # -- the synchronous form, replayed -----------------------------------------------------------
 
-def replay_sync(x, y, initial, num_ranks, batch, steps, tau, alpha, lr, snapshot_step):
-    """Local SGD on Dense(1)+MSE per rank, elastic move every τ steps; float64."""
-    workers = [initial.astype(np.float64).copy() for _ in range(num_ranks)]
-    center = initial.astype(np.float64).copy()
-    snapshot = None
+def replay_sync(x, y, workers, center, batch, steps, tau, alpha, lr, snapshot_step=0,
+                first_step=1):
+    """Local SGD on Dense(1)+MSE per rank, elastic move every τ steps (counting from
+    ``first_step``, as the synchronizer's counter does across fits); float64."""
+    workers = [w.astype(np.float64).copy() for w in workers]
+    center = center.astype(np.float64).copy()
+    num_ranks, snapshot = len(workers), None
     rows_per_epoch = len(x) // batch
-    for step in range(1, steps + 1):
-        start = ((step - 1) % rows_per_epoch) * batch
+    for i in range(steps):
+        step = first_step + i
+        start = (i % rows_per_epoch) * batch
         for r in range(num_ranks):
             lo, hi = start + batch * r // num_ranks, start + batch * (r + 1) // num_ranks
             xb, yb = x[lo:hi].astype(np.float64), y[lo:hi, 0].astype(np.float64)
@@ -79,7 +82,7 @@ def replay_sync(x, y, initial, num_ranks, batch, steps, tau, alpha, lr, snapshot
             moves = [alpha * (w - center) for w in workers]
             workers = [w - d for w, d in zip(workers, moves)]
             center = center + sum(moves)
-        if step == snapshot_step:
+        if i + 1 == snapshot_step:
             snapshot = ([w.copy() for w in workers], center.copy())
     return workers, center, snapshot
 
@@ -94,11 +97,12 @@ def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
     num_ranks, tau, alpha, batch, epochs, lr = 3, 3, 0.3, 12, 2, 0.05
     ranks = run_check(tmp_path, num_ranks, "--tau", str(tau), "--alpha", str(alpha),
                       "--batch", str(batch), "--epochs", str(epochs),
-                      "--steps-per-execution", "2", "--learning-rate", str(lr))
+                      "--steps-per-execution", "2", "--learning-rate", str(lr), "--second-fit")
     x, y = ranks[0]["x"], ranks[0]["y"]
     steps_per_epoch = len(x) // batch
+    initial = ranks[0]["initial"]  # rank 0's, broadcast
     workers, center, (workers_epoch0, center_epoch0) = replay_sync(
-        x, y, ranks[0]["initial"], num_ranks, batch, epochs * steps_per_epoch, tau, alpha, lr,
+        x, y, [initial] * num_ranks, initial, batch, epochs * steps_per_epoch, tau, alpha, lr,
         steps_per_epoch)
     assert not np.allclose(workers[0], workers[1])  # the ranks did drift apart
     for r, saved in enumerate(ranks):
@@ -117,6 +121,16 @@ def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
         np.testing.assert_array_equal(saved["after_evaluate"], saved["after_fit"])
         stats = json.loads(str(saved["stats"]))
         assert stats["form"] == "sync" and stats["tau"] == tau
+    # A second fit after setting different weights on every rank: the center restarts from
+    # rank 0's, each rank from its own; the step counter (hence the τ phase) carries on.
+    second_workers, second_center, _ = replay_sync(
+        x, y, [saved["second_initial"] for saved in ranks], ranks[0]["second_initial"], batch,
+        steps_per_epoch, tau, alpha, lr, first_step=epochs * steps_per_epoch + 1)
+    for r, saved in enumerate(ranks):
+        np.testing.assert_allclose(saved["second_final_local"], second_workers[r],
+                                   atol=TOLERANCE)
+        np.testing.assert_allclose(saved["second_after_fit"], second_center, atol=TOLERANCE)
+        np.testing.assert_array_equal(saved["second_after_fit"], ranks[0]["second_after_fit"])
 
 
 # -- the asynchronous form ---------------------------------------------------------------------
@@ -133,7 +147,8 @@ def test_center_protocol_in_many_chunks_with_interleaved_workers():
 def test_asynchronous_form_does_not_wait_for_a_slow_rank(tmp_path):
     steps, slow_s = 20, 0.25
     ranks = run_check(tmp_path, 2, "--async", "--tau", "1", "--alpha", "0.5", "--batch", "6",
-                      "--epochs", "1", "--slow-rank", "1", "--slow-s", str(slow_s))
+                      "--epochs", "1", "--slow-rank", "1", "--slow-s", str(slow_s),
+                      "--second-fit")
     fast, slow = (np.asarray(r["batch_end_s"]) for r in ranks)
     assert len(fast) == len(slow) == steps
     # Rank 1 sleeps 0.25 s before each step; rank 0 runs its 19 later steps in far less time
@@ -157,6 +172,10 @@ def test_asynchronous_form_does_not_wait_for_a_slow_rank(tmp_path):
     # With one epoch, epoch 0's end is the end of training: the center is what fit leaves.
     np.testing.assert_array_equal(ranks[0]["epoch0_center"], ranks[0]["after_fit"])
     assert not np.array_equal(ranks[0]["final_local"], ranks[1]["final_local"])
+    # A second fit from different weights on each rank (rank 0 restarts the center it holds
+    # from its own) ends, again, with the same center on every rank.
+    np.testing.assert_array_equal(ranks[0]["second_after_fit"], ranks[1]["second_after_fit"])
+    assert not np.array_equal(ranks[0]["second_after_fit"], ranks[0]["after_fit"])
 
 
 # -- convergence of the example -----------------------------------------------------------------

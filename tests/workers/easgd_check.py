@@ -11,7 +11,8 @@ differently (rank 0's initial weights must reach the others). Saved: the data, e
 own initial weights (before rank 0's are broadcast), the weights at the end of epoch 0 outside
 and inside ``consistent_state`` and after leaving it, the local weights at the end of training
 (before ``fit``'s drain), the weights after ``fit``, evaluate's results, per-batch end times,
-and the synchronizer's stats.
+and the synchronizer's stats; with --second-fit, the same for one more epoch after setting
+different weights on every rank.
 """
 
 import argparse
@@ -85,6 +86,8 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=0.05)
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
+    parser.add_argument("--second-fit", action="store_true",
+                        help="then set rank-dependent weights and fit one more epoch")
     args = parser.parse_args()
     keras.utils.set_random_seed(100 + tp.rank())
     x, y = data()
@@ -103,6 +106,16 @@ def main():
     saved["after_evaluate"] = flat(model)
     saved["x"], saved["y"] = x, y
     saved["stats"] = np.array(json.dumps(strategy.stats()["mode"]))
+    if args.second_fit:
+        # Weights set between two fits, differently on every rank: the next fit starts its
+        # center from rank 0's, and each rank's local weights from its own.
+        model.set_weights([w + 0.1 * (tp.rank() + 1) for w in model.get_weights()])
+        saved["second_initial"] = flat(model)
+        second = Recorder(strategy, -1, 0.0)
+        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[second])
+        saved["second_final_local"] = second.saved["final_local"]
+        saved["second_after_fit"] = flat(model)
     np.savez(os.path.join(args.out, f"rank{tp.rank()}.npz"), **saved)
 
 

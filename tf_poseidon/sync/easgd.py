@@ -19,13 +19,16 @@ trainable variables on every rank (the async form first fetches it from rank 0 a
 it) and restores each rank's local weights on exit; the Keras integration enters it around
 ``evaluate`` and ``predict``, and checkpoints and exports go through it. ``drain()`` — called at
 the end of ``fit`` — makes the center every rank's weights (x_p ← c), so after ``fit`` the
-model is the center, identical on every rank, and further training starts from it.
+model is the center, identical on every rank, and further training starts from it: the first
+step after a drain restarts the center from rank 0's weights, so weights loaded or set between
+two ``fit`` calls are where the next one starts.
 
 State: per *group* (the trainable variables one optimizer updates, i.e. one model) a step
-counter (a tf.Variable, so ``steps_per_execution`` loops count right) and, in the synchronous
-form, the center's non-trainable tf.Variables; both are created, outside any Keras model, when
-the train step is first traced (so the center starts from the weights rank 0 broadcast before
-the first step, or those BackupAndRestore restored). Non-trainable variables (BatchNorm's
+counter (a tf.Variable, so ``steps_per_execution`` loops count right; it keeps counting
+across ``fit`` calls), a restart flag and, in the synchronous form, the center's non-trainable
+tf.Variables; all are created, outside any Keras model, when the train step is first traced
+(so the center starts from the weights rank 0 broadcast before the first step, or those
+BackupAndRestore restored). Non-trainable variables (BatchNorm's
 moving statistics) are not elastic: each rank keeps its own.
 """
 
@@ -54,6 +57,7 @@ class _Group:
     dtype: np.dtype              # the flat vector's dtype (async form)
     sizes: list[int]
     step: tf.Variable            # this rank's optimizer steps since the group was created
+    reseed: tf.Variable          # True after a drain: the next step restarts the center
     centers: list[tf.Variable]   # synchronous form: this rank's copy of c; async: empty
 
     @property
@@ -101,15 +105,22 @@ class EASGDSynchronizer(Synchronizer):
     def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
                          local_batch: tf.Tensor | None) -> list[tf.Tensor]:
         """Replica context: the gradient of the mean loss over this rank's batch (no
-        communication). ``local_batch`` is ignored: each rank steps on its own batch."""
-        del variables, local_batch
+        communication). ``local_batch`` is ignored: each rank steps on its own batch.
+
+        Also, on the first step after a ``drain`` (so: of every ``fit`` after the first), the
+        center restarts from rank 0's weights before this step's update — weights loaded or
+        set between two ``fit`` calls are the new starting point, not the old center (sync:
+        one all-reduce every rank joins; async: rank 0 resets the center it holds)."""
+        del local_batch
+        group = self._group_for(list(variables))
+        tf.cond(group.reseed, lambda: self._reseed(group), lambda: tf.constant(0, tf.int64))
         return self.local_mean(grads)
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
         """Replica context, after the optimizer's update: counts the step and, on every τ-th,
         makes the elastic move (sync: an all-reduce every rank joins; async: an exchange with
         rank 0 that blocks this rank's step only, at most the collective timeout)."""
-        group = self._group_for(list(variables))
+        group = self._group_for(list(variables))  # made by reduce_gradients, as a rule
         step = group.step.assign_add(1)
         move = self._move_async if self.asynchronous else self._move_sync
         if self.tau == 1:
@@ -125,10 +136,12 @@ class EASGDSynchronizer(Synchronizer):
 
     def drain(self) -> None:
         """Every rank, eagerly (collective in the async form): x_p ← c for every group, so all
-        ranks hold the center. Called at the end of ``fit``."""
+        ranks hold the center. Called at the end of ``fit``. The next training step restarts
+        the center from rank 0's weights then (see ``reduce_gradients``)."""
         for group, center in zip(self._ordered_groups(), self._center_values()):
             for variable, value in zip(group.variables, center):
                 variable.assign(value)
+            group.reseed.assign(True)
 
     @contextlib.contextmanager
     def consistent_state(self):
@@ -185,13 +198,14 @@ class EASGDSynchronizer(Synchronizer):
         index = len(self._groups)
         with tf.init_scope():  # plain eager variables, also when called while tracing
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"easgd_step_{index}")
+            reseed = tf.Variable(False, trainable=False, name=f"easgd_reseed_{index}")
             values = [v.numpy() for v in variables]
             centers = [] if self.asynchronous else [
                 tf.Variable(value, trainable=False, name=f"easgd_center_{index}_{i}")
                 for i, value in enumerate(values)]
         dtype = np.result_type(*[v.dtype for v in values]) if values else np.dtype("float32")
         group = _Group(index, variables, variable_names(variables), dtype,
-                       [int(np.size(v)) for v in values], step, centers)
+                       [int(np.size(v)) for v in values], step, reseed, centers)
         if self._holder is not None:
             self._holder.register(index, _flatten(values, dtype))
         self._groups[key] = group
@@ -216,7 +230,38 @@ class EASGDSynchronizer(Synchronizer):
         flats = self.engine.call(fetch)
         return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
 
-    # -- the elastic moves (graph) ----------------------------------------------------------
+    # -- graph ops ---------------------------------------------------------------------------
+
+    def _reseed(self, group: _Group) -> tf.Tensor:
+        """c ← rank 0's weights (every rank: the same branch, after the same drain)."""
+        if self.asynchronous:
+            if self._holder is not None:
+                holder, dtype = self._holder, group.dtype
+
+                def reset(*arrays: np.ndarray) -> np.int64:
+                    holder.set_center(group.index, _flatten(arrays, dtype))
+                    return np.int64(0)
+                done = tf.numpy_function(reset, [v.read_value() for v in group.variables],
+                                         tf.int64, stateful=True, name="tp_easgd_reseed")
+                with tf.control_dependencies([done]):
+                    group.reseed.assign(False)
+            else:
+                group.reseed.assign(False)
+            return tf.constant(0, tf.int64)
+        mine = [v.read_value() for v in group.variables]
+        if self.engine.rank != 0:
+            mine = [tf.zeros_like(x) for x in mine]
+        plan = buckets_lib.plan_buckets(mine, self._bucket_bytes,
+                                        min(self._bucket_bytes,
+                                            buckets_lib.DEFAULT_FIRST_BUCKET_BYTES),
+                                        backprop_order=False)
+        rank0 = graph_ops.bucketed_collective(self.engine, "easgd_reseed", mine, plan,
+                                              collectives.ALLREDUCE_SUM, self.sequencer,
+                                              group.names)
+        for center, value in zip(group.centers, rank0):
+            center.assign(value)
+        group.reseed.assign(False)
+        return tf.constant(0, tf.int64)
 
     def _move_sync(self, group: _Group) -> None:
         alpha = self.alpha
