@@ -30,7 +30,7 @@ unpacking the gathered factors (measured ~0.2–1 ms on 2 busy cores). Keeps sma
 savings are below it, on the all-reduce they share with the other gradients."""
 
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce (above a shaped link's 1 MB burst)
-PROBE_MATMUL = (256, 512, 512)  # rows R, M, N of the timed reconstruction
+PROBE_MATMUL = (64, 2048, 2048)  # rows R, M, N of the timed reconstruction (16 MB out)
 
 
 @dataclasses.dataclass(frozen=True)
