@@ -45,10 +45,12 @@ def test_replicas_agree_after_the_drain(tmp_path_factory, num_ranks, how):
 
 
 def test_digits_with_staleness_two_is_within_two_percent_of_sync():
+    # SSP's result depends on when the stale updates arrive (timing), so both train long
+    # enough (20 epochs) to be near convergence, where that noise is small.
     accuracy = {}
     for mode, staleness in (("sync", "0"), ("ssp", "2")):
         result, _ = run_job(2, "../../examples/train_digits.py", "--mode", mode,
-                            "--staleness", staleness, "--verbose", "0")
+                            "--staleness", staleness, "--epochs", "20", "--verbose", "0")
         accuracy[mode] = float(re.search(r"test accuracy: (\S+)", check(result)).group(1))
     assert accuracy["sync"] > 0.9
     assert abs(accuracy["ssp"] - accuracy["sync"]) <= 0.02, accuracy
