@@ -166,15 +166,20 @@ def mwms_peers(cluster) -> list[str]:
 # -- one configuration ------------------------------------------------------------------------
 
 
-def unavailable(config: Config) -> str | None:
-    """The NotImplementedError message tf_poseidon gives for ``config``'s options, or None."""
+def precheck(config: Config, ranks: int) -> tuple[str, str] | None:
+    """Checks ``config``'s options for ``ranks`` ranks as the strategy's constructor does
+    (tf_poseidon.config.StrategyConfig), without starting a job. Returns ("not available",
+    the NotImplementedError's message), ("failed", "invalid options: " + the ValueError's),
+    or None when the job should run."""
     if not config.is_poseidon:
         return None
     from tf_poseidon.config import StrategyConfig
     try:
-        StrategyConfig(**config.kwargs)
+        StrategyConfig(**config.kwargs_for(ranks))
     except NotImplementedError as e:
-        return str(e)
+        return "not available", str(e)
+    except ValueError as e:
+        return "failed", f"invalid options: {e}"
     return None
 
 
@@ -199,7 +204,8 @@ def command_for(config: Config, cluster, model: str, name: str, settings: dict,
         return [*cluster.mpirun_args(), *forward, *worker, "--kind", "mwms",
                 "--peers", ",".join(mwms_peers(cluster)), "--peer-hosts", peer_hosts]
     return [sys.executable, "-m", "tf_poseidon.launcher", *cluster.launcher_args(),
-            *worker, "--kind", "poseidon", "--options", json.dumps(config.kwargs)]
+            *worker, "--kind", "poseidon", "--options",
+            json.dumps(config.kwargs_for(len(cluster.hosts)))]
 
 
 def rank_env() -> dict[str, str]:
@@ -466,13 +472,14 @@ def run_suite(settings: dict, emulate: bool, emulation: str, output: Output, com
             pending = []
             for _, _, model, config in mine:
                 index += 1
-                why = unavailable(config)
-                if why is not None:
+                verdict = precheck(config, ranks)
+                if verdict is not None:
+                    status, why = verdict
                     run["results"].append({"model": model, "config": config.name,
                                            "ranks": ranks, "bandwidth": bandwidth,
-                                           "status": "not available", "message": why})
+                                           "status": status, "message": why})
                     say(f"[{_clock(t0)}] ({index}/{len(todo)}) {model} "
-                        f"{report.link_label(bandwidth, ranks)} {config.name}: not available: "
+                        f"{report.link_label(bandwidth, ranks)} {config.name}: {status}: "
                         f"{why}")
                 else:
                     pending.append((index, model, config))

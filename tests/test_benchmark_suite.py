@@ -24,7 +24,9 @@ def test_every_configuration_of_the_issue_is_in_the_suite():
     assert kinds["fp16"][1]["compression"] == "fp16"
     assert kinds["sfb"] == ("poseidon", {})  # sfb="auto" is PoseidonStrategy's default
     assert kinds["ssp"] == ("poseidon", {"mode": "ssp", "staleness": 2})
-    assert kinds["easgd"] == ("poseidon", {"mode": "easgd", "tau": 4})
+    assert kinds["easgd"] == ("poseidon", {"mode": "easgd", "tau": 4, "alpha": "0.9/P"})
+    assert CONFIG_BY_NAME["easgd"].kwargs_for(2)["alpha"] == pytest.approx(0.45)
+    assert CONFIG_BY_NAME["easgd"].kwargs_for(4)["alpha"] == pytest.approx(0.225)
 
 
 def test_poseidon_options_are_valid_or_not_yet_implemented():
@@ -32,11 +34,18 @@ def test_poseidon_options_are_valid_or_not_yet_implemented():
     for config in CONFIGS:
         if not config.is_poseidon:
             continue
-        try:
-            StrategyConfig(**config.kwargs)  # a ValueError here is a bug in the suite
-            assert suite.unavailable(config) is None
-        except NotImplementedError as e:
-            assert suite.unavailable(config) == str(e)
+        for ranks in (2, 4):
+            try:
+                StrategyConfig(**config.kwargs_for(ranks))  # ValueError: a bug in the suite
+                assert suite.precheck(config, ranks) is None
+            except NotImplementedError as e:
+                assert suite.precheck(config, ranks) == ("not available", str(e))
+
+
+def test_precheck_reports_invalid_options_as_failed():
+    bad = report.Config("bad", "bad", "poseidon", (("tau", 0),))
+    status, message = suite.precheck(bad, 2)
+    assert status == "failed" and message.startswith("invalid options: ") and "tau" in message
 
 
 def test_models_table_matches_the_built_models():
