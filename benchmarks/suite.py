@@ -456,7 +456,9 @@ def run_suite(settings: dict, emulate: bool, emulation: str, output: Output, com
     run = {"command": command, "started": _now(), "finished": None, "status": "running",
            "settings": settings, "environment": environment(), "emulation": emulation,
            "results": []}
-    rundir = tempfile.mkdtemp(prefix="tfp-bench-")
+    if settings.get("logs"):
+        os.makedirs(settings["logs"], exist_ok=True)
+    rundir = tempfile.mkdtemp(prefix="tfp-bench-", dir=settings.get("logs"))
     say(f"Logs of every configuration: {rundir}")
     todo = plan(settings)
     t0 = time.monotonic()
@@ -590,6 +592,8 @@ def make_parser() -> argparse.ArgumentParser:
                                  "(default docs/, or benchmarks/quick-results/ with --quick)")
     p.add_argument("--json", help="raw results (default benchmarks/results.json, or "
                                   "benchmarks/quick-results/results.json with --quick)")
+    p.add_argument("--logs", help="directory under which each run keeps its logs and rank "
+                                  "files (default: a new tfp-bench-* directory in /tmp)")
     p.add_argument("--no-netns", action="store_true",
                    help="do not emulate hosts: all ranks unshaped on this machine's loopback")
     p.add_argument("--list", action="store_true", help="print configurations and models")
@@ -607,7 +611,8 @@ def settings_from(args: argparse.Namespace) -> dict:
          "warmup": args.warmup if args.warmup is not None else base["warmup"],
          "steps": args.steps if args.steps is not None else base["steps"],
          "timeout": args.timeout if args.timeout is not None else base["timeout"],
-         "batch": args.batch, "quick": args.quick}
+         "batch": args.batch, "quick": args.quick,
+         "logs": os.path.abspath(args.logs) if args.logs else None}
     if s["warmup"] < 1 or s["steps"] < 1:
         raise ValueError("--warmup and --steps must be at least 1 (the first step traces)")
     if any(r < 2 for r in s["ranks"]):

@@ -180,7 +180,7 @@ def test_tiny_unshaped_run_end_to_end(tmp_path):
          "--models", "tiny",
          "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
          "1", "--timeout", "240", "--out", str(tmp_path), "--json",
-         str(tmp_path / "run.json")],
+         str(tmp_path / "run.json"), "--logs", str(tmp_path / "logs")],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = json.loads((tmp_path / "run.json").read_text())
