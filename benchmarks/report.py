@@ -469,8 +469,9 @@ def _goal_caveats(rows: list[dict]) -> list[str]:
                       f"({link_label(g['bandwidth'], g['ranks'])}, {g['best']})"
                       for g in suspect)
     return [f"**Not a verdict:** {names}: the step was measured faster than the compute-only "
-            "step, which no configuration can be, so the machine's load changed between the "
-            "two measurements and these goal rows are not to be trusted.", ""]
+            "step, which no configuration can be (every rank computes every step): the "
+            "machine's load changed between the two measurements, so do not trust "
+            f"{'this goal row' if len(suspect) == 1 else 'these goal rows'}.", ""]
 
 
 def _load_warning(rows: list[dict], env: dict) -> list[str]:
