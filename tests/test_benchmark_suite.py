@@ -74,6 +74,12 @@ def test_plan_runs_references_first_then_each_cluster():
                                                                 (1, None, "vgg", "single")]
     assert len(order) == 2 + 2 * 2 * 2 * 2
     assert [(r, b) for r, b, _, _ in order[2:6]] == [(2, "1gbit")] * 4
+    default = suite.settings_from(suite.make_parser().parse_args([]))
+    combos = {(r, b) for r, b, _, _ in suite.plan(default) if r > 1}
+    assert combos == {(2, "1gbit"), (2, "10gbit"), (4, "1gbit")}
+    chosen = suite.settings_from(suite.make_parser().parse_args(["--ranks", "4"]))
+    assert {(r, b) for r, b, _, _ in suite.plan(chosen) if r > 1} == {(4, "1gbit"),
+                                                                        (4, "10gbit")}
 
 
 def rank_file(rank, window, steps=4, tx=1e9, stats=None):
