@@ -183,6 +183,11 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
             and r["step_s"] < single["step_s"]):
         notes.append("faster than the compute-only step: load changed between the two "
                      "measurements")
+    tau = dict(CONFIG_BY_NAME[r["config"]].options).get("tau") \
+        if r["config"] in CONFIG_BY_NAME else None
+    if tau and r.get("steps") and r["steps"] % tau:
+        notes.append(f"{r['steps']} timed steps are not whole periods of tau={tau}: wire "
+                     "bytes and step time are not averaged over whole periods")
     engine = []
     if r.get("engine_bytes_per_step") is not None:
         engine.append(f"{r['engine_bytes_per_step'] / 1e6:.1f} MB/step sent")
