@@ -124,7 +124,7 @@ def _bytes(value: float) -> str:
 def _seconds(value: float) -> str:
     if value is None or math.isnan(value):
         return "-"
-    return f"{value * 1e3:.3g} ms"
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
 
 
 class RatesCache:

@@ -41,9 +41,9 @@ class BSPSynchronizer(Synchronizer):
         self._collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
                             else codecs.compressed_allreduce(config.compression))
         # SFB state: capture sessions of the replica functions being traced (innermost last),
-        # the choices every rank agreed on (kernel path -> LayerPlan), the last plan made.
+        # the choices every rank agreed on ((kernel path, M, N) -> LayerPlan), the last plan.
         self._sessions: list[capture.CaptureSession] = []
-        self._agreed: dict[str, plan_lib.LayerPlan] = {}
+        self._agreed: dict[tuple, plan_lib.LayerPlan] = {}
         self._rates = plan_lib.RatesCache()
         self.sfb_plan: plan_lib.Plan | None = None
 
@@ -106,10 +106,12 @@ class BSPSynchronizer(Synchronizer):
         seen = {c.kernel for c in candidates}
         skipped = [plan_lib.Candidate(name, *(shape or (None, None)), None, reason)
                    for name, (shape, reason) in session.skipped.items() if name not in seen]
-        if any(c.refusal is None and c.kernel not in self._agreed for c in candidates):
+        if any(c.refusal is None and (c.kernel, c.m, c.n) not in self._agreed
+               for c in candidates):
             plan = plan_lib.agree(self.engine, candidates + skipped, self.config,
                                   self.num_replicas, self._rates)
-            self._agreed.update({row.kernel: row for row in plan.rows})
+            self._agreed.update({(row.kernel, *(row.shape or (None, None))): row
+                                 for row in plan.rows})
             self.sfb_plan = plan
         elif candidates or skipped:
             if self.sfb_plan is None:  # nothing SFB could take: a local plan, no collective
@@ -117,8 +119,8 @@ class BSPSynchronizer(Synchronizer):
                         for c in candidates + skipped]
                 self.sfb_plan = plan_lib.Plan(rows, self.num_replicas, self.config.sfb,
                                               self.config.compression, self._rates.rates)
-        rows = [self._agreed.get(m.kernel_name) if m is not None and m.reason is None else None
-                for m in matches]
+        rows = [self._agreed.get((m.kernel_name, m.m, m.n))
+                if m is not None and m.reason is None else None for m in matches]
         return matches, rows
 
     def _reduce_with_sfb(self, grads, variables, local_batch, matches, rows):
