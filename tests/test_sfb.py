@@ -29,6 +29,7 @@ P2_RUNS = [
 P3_RUNS = [
     "functional/never/reg/adam", "functional/always/reg/adam",
     "functional/never/rows640", "functional/always/rows640", "functional/auto/rows640",
+    "functional/never/reg/loop", "functional/always/reg/loop",
 ]
 
 
@@ -76,6 +77,7 @@ def rows_by_kernel(job, run):
     ("p2", "functional/always/rows640/buckets10000/nooverlap", "functional/never/rows640"),
     ("p3", "functional/always/reg/adam", "functional/never/reg/adam"),  # ranks without rows
     ("p3", "functional/always/rows640", "functional/never/rows640"),  # static K 10/11/11
+    ("p3", "functional/always/reg/loop", "functional/never/reg/loop"),  # custom loop
 ])
 def test_sfb_always_gives_the_weights_of_all_reduce(request, job_name, always, never):
     job = request.getfixturevalue(job_name)

@@ -4,7 +4,8 @@
 
     RUN = MODEL/SFB[/FLAG...]: MODEL sequential|functional|subclassed|shared|sequence,
     SFB auto|always|never, FLAGs reg (L2 kernel_regularizer on the first layer), fp16|bf16,
-    adam (else SGD with momentum), nooverlap, save, rowsN (data set size, default --rows),
+    adam (else SGD with momentum), loop (a custom training loop instead of fit), nooverlap,
+    save, rowsN (data set size, default --rows),
     bwG (bandwidth_gbps=G), bucketsN (bucket_bytes=N).
 
 Each run builds its own strategy and model; every rank seeds with its own rank (rank 0's
@@ -22,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
 
@@ -70,6 +72,32 @@ def build(kind: str, regularizer):
     return keras.Model(inputs, outputs)
 
 
+def custom_loop(strategy, model, x, y, global_batch, epochs):
+    """strategy.run + GradientTape + apply_gradients, TensorFlow's convention for the loss."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
+
+    @tf.function
+    def step(xb, yb):
+        def replica_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(yb, model(xb, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+                if model.losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(xb, yb)), axis=None)
+
+    losses = []
+    for _ in range(epochs):
+        for xb, yb in data:
+            losses.append(float(step(xb, yb)))
+    return losses
+
+
 def run(spec: str, args) -> None:
     """One training run: spec is MODEL/SFB[/FLAG...] (see the module docstring)."""
     kind, sfb, *flags = spec.split("/")
@@ -94,15 +122,18 @@ def run(spec: str, args) -> None:
                      else keras.optimizers.SGD(0.05, momentum=0.9))
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False,
-                        verbose=0)
+    if "loop" in flags:
+        losses = custom_loop(strategy, model, x, y, args.batch, args.epochs)
+    else:
+        losses = model.fit(x, y, batch_size=args.batch, epochs=args.epochs, shuffle=False,
+                           verbose=0).history["loss"]
     plan = strategy.plan().as_dict()
     plan["note_before_fit"] = before
     steps = -(-rows // args.batch) * args.epochs
     name = spec.replace("/", "-")
     weights = np.concatenate([v.numpy().ravel() for v in model.weights])
     np.savez(os.path.join(args.out, f"{name}_rank{tp.rank()}.npz"), weights=weights,
-             loss=history.history["loss"])
+             loss=losses)
     with open(os.path.join(args.out, f"{name}_plan_rank{tp.rank()}.json"), "w") as f:
         json.dump(plan, f)
     with open(os.path.join(args.out, f"{name}_stats_rank{tp.rank()}.json"), "w") as f:
