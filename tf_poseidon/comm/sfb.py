@@ -329,5 +329,4 @@ def reconstruct(gathered: GatheredFactors, shape: tf.TensorShape, dtype: tf.DTyp
     """ΔW = scale·Σ_p U_pᵀ V_p (``ops.sfb_reconstruct``, float32 accumulation), as ``dtype``."""
     from tf_poseidon import ops
     result = ops.sfb_reconstruct(gathered.u, gathered.v, scale)
-    result = tf.ensure_shape(result, shape) if not tf.executing_eagerly() else result
     return tf.cast(tf.reshape(result, shape), dtype)

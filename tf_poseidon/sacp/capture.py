@@ -167,13 +167,14 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
-    global _install_count, _original_call
+    global _install_count
     import keras
     with _install_lock:
         _install_count -= 1
         if _install_count == 0:
+            # _original_call stays set: another thread may have looked up the replacement
+            # just before it was removed, and calls through it to Keras' own.
             keras.layers.Dense.call = _original_call
-            _original_call = None
 
 
 def _kernel_name(layer) -> str:
