@@ -3,7 +3,8 @@
 Real jobs (tests/workers/easgd_check.py, easgd_digits.py):
 * the synchronous form replayed exactly in numpy (local SGD steps, elastic move every τ steps
   counted across epochs and ``steps_per_execution`` loops, validation and ``consistent_state``
-  in the middle of training), P=3;
+  in the middle of training, a second fit from new weights), P=3; and with its all-reduce in
+  bfloat16, P=2;
 * the asynchronous form's protocol alone (tests/workers/easgd_center_check.py), P=3, in many
   chunks, checked exactly;
 * the asynchronous form, P=2, with rank 1 slowed by a callback: rank 0 is not held back; the
@@ -131,6 +132,20 @@ def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
                                    atol=TOLERANCE)
         np.testing.assert_allclose(saved["second_after_fit"], second_center, atol=TOLERANCE)
         np.testing.assert_array_equal(saved["second_after_fit"], ranks[0]["second_after_fit"])
+
+
+def test_synchronous_form_with_a_16_bit_elastic_all_reduce(tmp_path):
+    num_ranks, tau, alpha, batch, lr = 2, 2, 0.45, 12, 0.05
+    ranks = run_check(tmp_path, num_ranks, "--tau", str(tau), "--alpha", str(alpha),
+                      "--batch", str(batch), "--epochs", "1", "--learning-rate", str(lr),
+                      "--compression", "bf16")
+    x, y = ranks[0]["x"], ranks[0]["y"]
+    initial = ranks[0]["initial"]
+    _, center, _ = replay_sync(x, y, [initial] * num_ranks, initial, batch, len(x) // batch,
+                               tau, alpha, lr)
+    difference = np.max(np.abs(ranks[0]["after_fit"] - center))
+    assert 1e-6 < difference < 5e-3  # the d_p travelled in bfloat16, and only they did
+    np.testing.assert_array_equal(ranks[1]["after_fit"], ranks[0]["after_fit"])
 
 
 # -- the asynchronous form ---------------------------------------------------------------------

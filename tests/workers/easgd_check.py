@@ -84,6 +84,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--compression", default="none")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-s", type=float, default=0.0)
     parser.add_argument("--second-fit", action="store_true",
@@ -92,7 +93,7 @@ def main():
     keras.utils.set_random_seed(100 + tp.rank())
     x, y = data()
     strategy = tp.PoseidonStrategy(mode="easgd", tau=args.tau, alpha=args.alpha,
-                                   easgd_async=args.asynchronous)
+                                   easgd_async=args.asynchronous, compression=args.compression)
     with strategy.scope():
         model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.SGD(args.learning_rate), loss="mse",

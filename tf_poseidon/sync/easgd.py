@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.comm import codecs, collectives, graph_ops
 from tf_poseidon.sync import easgd_center
 from tf_poseidon.sync.base import Synchronizer, variable_names
 
@@ -84,6 +84,11 @@ class EASGDSynchronizer(Synchronizer):
         # every step wait for the slowest rank (see Synchronizer.lockstep).
         self.lockstep = False
         self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
+        # The elastic all-reduce of the d_p may travel in 16 bits (summed in float32, the
+        # same result on every rank, so the centers stay equal); the async exchange and the
+        # restart of the center travel in the variables' dtype.
+        self._move_collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
+                                 else codecs.compressed_allreduce(config.compression))
         self._groups: dict[tuple, _Group] = {}
         self._swap_depth = 0
         self.counters = easgd_center.ExchangeCounters()
@@ -272,7 +277,7 @@ class EASGDSynchronizer(Synchronizer):
                                             buckets_lib.DEFAULT_FIRST_BUCKET_BYTES),
                                         backprop_order=False)
         total = graph_ops.bucketed_collective(self.engine, "easgd", differences, plan,
-                                              collectives.ALLREDUCE_SUM, self.sequencer,
+                                              self._move_collective, self.sequencer,
                                               group.names)
         for variable, center, d, summed in zip(group.variables, group.centers, differences,
                                                total):
