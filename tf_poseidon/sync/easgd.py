@@ -27,9 +27,9 @@ State: per *group* (the trainable variables one optimizer updates, i.e. one mode
 counter (a tf.Variable, so ``steps_per_execution`` loops count right; it keeps counting
 across ``fit`` calls), a restart flag and, in the synchronous form, the center's non-trainable
 tf.Variables; all are created, outside any Keras model, when the train step is first traced
-(so the center starts from the weights rank 0 broadcast before the first step, or those
-BackupAndRestore restored). Non-trainable variables (BatchNorm's
-moving statistics) are not elastic: each rank keeps its own.
+(``reduce_gradients``, before the first update: so the center starts from the weights rank 0
+broadcast before the first step, or those BackupAndRestore restored). Non-trainable
+variables (BatchNorm's moving statistics) are not elastic: each rank keeps its own.
 """
 
 from __future__ import annotations
