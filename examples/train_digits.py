@@ -48,8 +48,10 @@ def train(args: argparse.Namespace) -> float:
     """Trains under PoseidonStrategy with ``args``; returns the test accuracy (global)."""
     keras.utils.set_random_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed)
+    # EASGD's moving rate: 0.9/P unless given (the synchronous form needs alpha·P < 1).
+    alpha = args.alpha if args.alpha is not None else 0.9 / tp.size()
     strategy = tp.PoseidonStrategy(mode=args.mode, compression=args.compression,
-                                   staleness=args.staleness, tau=args.tau, alpha=args.alpha,
+                                   staleness=args.staleness, tau=args.tau, alpha=alpha,
                                    easgd_async=args.easgd_async)
     with strategy.scope():
         model = build_model()
@@ -73,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mode", default="sync", choices=["sync", "ssp", "easgd"])
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--staleness", type=int, default=0)
-    parser.add_argument("--tau", type=int, default=1)
-    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--tau", type=int, default=4, help="EASGD period (docs/easgd.md)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="EASGD moving rate (default 0.9/P; docs/easgd.md)")
     parser.add_argument("--easgd-async", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2])

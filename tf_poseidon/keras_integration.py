@@ -114,6 +114,11 @@ def _check_finite(original):
         extended = _poseidon_extended()
         if extended is None or tf.distribute.get_replica_context() is None:
             return finite
+        if getattr(extended.synchronizer, "asynchronous", False):
+            # Asynchronous EASGD: a rank applies only its own gradients and no collective sits
+            # in the step, so it decides alone (a per-step all-reduce would make every rank
+            # wait for the slowest).
+            return finite
         all_finite = extended.sum_over_ranks([tf.cast(finite, tf.int64)], "finite")[0]
         return tf.equal(all_finite, extended._num_replicas_in_sync)
     return wrapper
