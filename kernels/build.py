@@ -30,7 +30,8 @@ from pathlib import Path
 import tensorflow as tf
 
 KERNEL_DIR = Path(__file__).resolve().parent
-CXX_SOURCES = ("poseidon_ops.cc", "poseidon_kernels_cpu.cc", "poseidon_kernels_gpu.cc")
+CXX_SOURCES = ("poseidon_ops.cc", "poseidon_kernels_cpu.cc", "poseidon_kernels_gpu.cc",
+               "poseidon_host_api.cc")
 CUDA_SOURCES = ("poseidon_cuda.cu",)
 _KEY_MARKER = b"TF_POSEIDON_BUILD_KEY:"
 _DEFAULT_NVCC_ARCH = (

@@ -1,12 +1,12 @@
-// CPU arithmetic of the tf_poseidon kernels. Element loops are written to auto-vectorise (see
-// convert.h) and are split over TensorFlow's intra-op thread pool in blocks of kBlock elements;
-// the SFB product is Eigen's GEMM on tiles of the output, the tiles split over the same pool.
+// CPU arithmetic of the tf_poseidon kernels: the element loops of cpu_loops.h, split over
+// TensorFlow's intra-op thread pool in blocks of kBlock elements; the SFB product is Eigen's GEMM on tiles of the output, the tiles split over the same pool.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "cpu_loops.h"
 #include "poseidon_kernels.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "Eigen/Core"
@@ -32,24 +32,6 @@ void ParallelRanges(OpKernelContext* ctx, int64_t total, int64_t cost_per_elemen
       });
 }
 
-template <typename In, typename Out>
-void ConvertRange(const typename In::Storage* __restrict src, typename Out::Storage* __restrict dst,
-                  int64_t size, float scale) {
-  for (int64_t i = 0; i < size; ++i) dst[i] = ScaleConvert<In, Out>(src[i], scale);
-}
-
-// Elements [offset, offset + size) of one job.
-void RunJobPart(const ConvertJob& job, int64_t offset, int64_t size, float scale) {
-  VisitDtype(job.src_type, [&](auto in) {
-    VisitDtype(job.dst_type, [&](auto out) {
-      using In = decltype(in);
-      using Out = decltype(out);
-      ConvertRange<In, Out>(static_cast<const typename In::Storage*>(job.src) + offset,
-                            static_cast<typename Out::Storage*>(job.dst) + offset, size, scale);
-    });
-  });
-}
-
 }  // namespace
 
 template <>
@@ -69,24 +51,6 @@ void Backend<CPUDevice>::Convert(OpKernelContext* ctx, const std::vector<Convert
 }
 
 namespace {
-
-// Sub-block of SumRange: an accumulator that stays in L1.
-constexpr int64_t kSumBlock = 1024;
-
-template <typename Wire, typename Out>
-void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunks, int64_t n,
-              int64_t begin, int64_t end, float scale, typename Out::Storage* __restrict out) {
-  float acc[kSumBlock];
-  for (int64_t start = begin; start < end; start += kSumBlock) {
-    const int64_t size = std::min(kSumBlock, end - start);
-    std::fill(acc, acc + size, 0.0f);
-    for (int64_t p = 0; p < num_chunks; ++p) {
-      const typename Wire::Storage* chunk = chunks + p * n + start;
-      for (int64_t j = 0; j < size; ++j) acc[j] += Wire::ToFloat(chunk[j]);
-    }
-    for (int64_t j = 0; j < size; ++j) out[start + j] = Out::FromFloat(acc[j] * scale);
-  }
-}
 
 // Output tile of SfbReconstruct, one Eigen GEMM each: 64 rows by up to 4096 columns measured
 // up to 1.1x faster than one Eigen tensor contraction over the same pool, and faster than 2-D
@@ -120,14 +84,8 @@ void Backend<CPUDevice>::SumChunks(OpKernelContext* ctx, const Tensor& chunks, f
   const int64_t num_chunks = chunks.dim_size(0);
   const int64_t n = chunks.dim_size(1);
   ParallelRanges(ctx, n, /*cost_per_element=*/2 * num_chunks + 2, [&](int64_t begin, int64_t end) {
-    VisitDtype(wire_type, [&](auto wire) {
-      VisitDtype(out_type, [&](auto out_tag) {
-        using Wire = decltype(wire);
-        using Out = decltype(out_tag);
-        SumRange<Wire, Out>(static_cast<const typename Wire::Storage*>(chunks.data()), num_chunks,
-                            n, begin, end, scale, static_cast<typename Out::Storage*>(out->data()));
-      });
-    });
+    SumChunksPart(wire_type, out_type, chunks.data(), num_chunks, n, begin, end, scale,
+                  out->data());
   });
 }
 

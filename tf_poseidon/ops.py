@@ -36,7 +36,8 @@ from typing import Any, Union
 
 import tensorflow as tf
 
-__all__ = ["available", "pack", "unpack", "sum_chunks", "sfb_reconstruct", "CompositeOps"]
+__all__ = ["available", "pack", "unpack", "sum_chunks", "sfb_reconstruct", "CompositeOps",
+           "library_path"]
 
 LIBRARY_NAME = "_poseidon_ops.so"
 REQUIRE_ENV = "TF_POSEIDON_REQUIRE_OPS"
@@ -243,13 +244,21 @@ def _library() -> ModuleType | None:
         return _STATE["library"]
 
 
+def library_path() -> Path | None:
+    """The file of the loaded op library (loading it first), None when the composite fallback
+    is in use. tf_poseidon/host_kernels.py calls the same library's C API."""
+    return None if _library() is None else _STATE["path"]
+
+
 def _load_library() -> ModuleType:
     build = _build_recipe()
     key = build.build_key()
-    installed = Path(__file__).with_name(LIBRARY_NAME)
-    if build.read_build_key(installed) == key:
-        return tf.load_op_library(str(installed))
-    return tf.load_op_library(str(_cached_library(build, key)))
+    path = Path(__file__).with_name(LIBRARY_NAME)
+    if build.read_build_key(path) != key:
+        path = _cached_library(build, key)
+    library = tf.load_op_library(str(path))
+    _STATE["path"] = path
+    return library
 
 
 def _cached_library(build: ModuleType, key: dict) -> Path:

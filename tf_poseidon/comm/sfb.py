@@ -30,6 +30,7 @@ from typing import Sequence, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon import host_kernels
 from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import engine as engine_lib
 from tf_poseidon.comm import graph_ops
@@ -157,25 +158,24 @@ class SfbWire:
     def _scale(self, block: np.ndarray) -> float:
         if not self.scaled or block.size == 0:
             return 1.0
-        amax = float(np.max(np.abs(block)))
+        amax = host_kernels.max_abs(block)
         if not np.isfinite(amax) or amax == 0.0:
             return 1.0
         return float(2.0 ** np.floor(np.log2(FP16_TARGET / amax)))  # exact to undo
 
     def _to_wire(self, blocks: list[np.ndarray], scales: np.ndarray) -> np.ndarray:
-        if self.wire == np.float32:
-            return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
-        from tf_poseidon import ops
-        wire_dtype = tf.as_dtype(self.wire)
-        parts = [ops.pack([b], wire_dtype, s).numpy() for b, s in zip(blocks, scales)]
-        return np.concatenate(parts) if parts else np.zeros(0, self.wire)
+        body = np.empty(sum(b.size for b in blocks), self.wire)
+        at = 0
+        for block, scale in zip(blocks, scales):
+            host_kernels.convert(block, body[at:at + block.size], scale)
+            at += block.size
+        return body
 
     def _assemble(self, gathered: np.ndarray, all_rows: np.ndarray, all_scales: np.ndarray,
                   counts: np.ndarray, displacements: np.ndarray) -> np.ndarray:
         size, count = all_rows.shape
-        values = gathered.astype(np.float32) if self.wire != np.float32 else gathered
-        totals = all_rows.sum(axis=0)
-        out = [totals.astype(np.float32)]
+        out = np.empty(count + int(counts.sum()), np.float32)
+        out[:count] = all_rows.sum(axis=0)
         # Offsets of each rank's blocks: [U_1, V_1, U_2, V_2, ...] in its segment.
         starts = np.empty((size, 2 * count), np.int64)
         for p in range(size):
@@ -184,15 +184,16 @@ class SfbWire:
                 for j, width in enumerate((m, n)):
                     starts[p, 2 * layer + j] = at
                     at += all_rows[p, layer] * width
+        at = count
         for layer, (_, m, n) in enumerate(self.layers):
             for j, width in enumerate((m, n)):
                 block = 2 * layer + j
                 for p in range(size):
-                    k = all_rows[p, layer]
-                    piece = values[starts[p, block]:starts[p, block] + k * width]
-                    scale = all_scales[p, block]
-                    out.append(piece if scale == 1.0 else piece * np.float32(1.0 / scale))
-        return np.concatenate(out).astype(np.float32, copy=False)
+                    length = all_rows[p, layer] * width
+                    host_kernels.convert(gathered[starts[p, block]:starts[p, block] + length],
+                                         out[at:at + length], 1.0 / all_scales[p, block])
+                    at += length
+        return out
 
     def _account(self, rank: int, counts: np.ndarray, header_bytes: int, size: int,
                  all_rows: np.ndarray) -> None:
