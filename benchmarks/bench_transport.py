@@ -1,11 +1,12 @@
 """Benchmark: fp16/bf16 compressed all-reduce vs float32, 2 emulated hosts.
 
-    python benchmarks/bench_transport.py [--bandwidth 1gbit] [--megabytes 64] [--repeats 5]
+    python -m benchmarks.bench_transport [--bandwidth 1gbit] [--megabytes 64] [--repeats 5]
 
 Runs benchmarks/workers/transport_worker.py on a tf_poseidon.testing.EmulatedCluster (one
-network namespace per host, links shaped to --bandwidth) and prints the median time of one
-all-reduce of --megabytes of float32 for each wire format, and the speed-ups. A benchmark, not
-a test: the figures depend on the machine.
+network namespace per host, links shaped to --bandwidth; "none": unshaped) and prints the median
+time of one all-reduce of --megabytes of float32 for each wire format, the speed-ups, and each
+format's floor (its bytes per rank over the link rate). A benchmark, not a test: the figures
+depend on the machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import os
 import sys
 
+from benchmarks.report import rate_bits
+from tf_poseidon.comm import codecs, collectives
 from tf_poseidon.testing import emulated_cluster
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers",
@@ -31,7 +34,8 @@ def main(argv=None) -> int:
     if not ok:
         print(f"emulated cluster not available ({reason}); this benchmark needs it")
         return 1
-    with emulated_cluster.EmulatedCluster(2, args.bandwidth) as cluster:
+    bandwidth = None if args.bandwidth == "none" else args.bandwidth
+    with emulated_cluster.EmulatedCluster(2, bandwidth) as cluster:
         argv = [sys.executable, "-m", "tf_poseidon.launcher", *cluster.launcher_args(1),
                 sys.executable, WORKER, str(args.megabytes), str(args.repeats)]
         result = cluster.run(argv, timeout=900)
@@ -42,9 +46,17 @@ def main(argv=None) -> int:
     times = json.loads(lines[-1][len("RESULT "):])
     print(f"2 hosts at {args.bandwidth}, one all-reduce of {args.megabytes:g} MB of float32 "
           f"(median of {args.repeats})\n")
-    print("| wire format | time (s) | speed-up vs fp32 |\n|---|---|---|")
+    link = rate_bits(bandwidth)
+    payload = args.megabytes * 2**20
+    sent = {"fp32": collectives.ALLREDUCE_SUM.wire_bytes(payload, 2)[0],
+            "fp16": codecs.compressed_allreduce("fp16").wire_bytes(payload, 2)[0],
+            "bf16": codecs.compressed_allreduce("bf16").wire_bytes(payload, 2)[0]}
+    print("| wire format | time (s) | speed-up vs fp32 | MB sent per rank | floor (s) |\n"
+          "|---|---|---|---|---|")
     for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {times['fp32'] / seconds:.2f}× |")
+        floor = f"{8 * sent[name] / link:.3f}" if link else "—"
+        print(f"| {name} | {seconds:.3f} | {times['fp32'] / seconds:.2f}× "
+              f"| {sent[name] / 1e6:.1f} | {floor} |")
     return 0
 
 

@@ -1,5 +1,6 @@
 // CPU arithmetic of the tf_poseidon kernels: the element loops of cpu_loops.h, split over
-// TensorFlow's intra-op thread pool in blocks of kBlock elements; the SFB product is Eigen's GEMM on tiles of the output, the tiles split over the same pool.
+// TensorFlow's intra-op thread pool in blocks of kBlock elements; the SFB product is Eigen's GEBP
+// micro-kernel on row tiles of the output, the tiles split over the same pool.
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
@@ -52,22 +53,24 @@ void Backend<CPUDevice>::Convert(OpKernelContext* ctx, const std::vector<Convert
 
 namespace {
 
-// Output tile of SfbReconstruct, one Eigen GEMM each: 64 rows by up to 4096 columns measured
-// up to 1.1x faster than one Eigen tensor contraction over the same pool, and faster than 2-D
-// tiles (docs/kernels.md).
-constexpr int64_t kSfbTileRows = 64;
-constexpr int64_t kSfbTileCols = 4096;
+// SfbReconstruct works on the column-major view of its row-major output: out^T [N, M] = A B with
+// A = v^T [N, R] (v's memory read column-major) and B = u [R, M]. A is packed for Eigen's GEBP
+// micro-kernel once and shared by every task; each task computes kSfbTileRows rows of `out`
+// (columns of out^T), packing only its slice of B. One Eigen GEMM per output tile (the previous
+// version) re-packed all of A for every tile, which cost 5-15% of the time (docs/kernels.md).
+constexpr int64_t kSfbTileRows = 32;
+// Depth (R) per packed block: A's micro-panels (mr x kSfbDepthBlock floats) stay in L1.
+constexpr int64_t kSfbDepthBlock = 256;
 
-// Points *result at `tensor` as float32 times `scale`: `tensor` itself when it is float32 and
-// scale is 1, else `*temp`, a converted copy.
-Status AsScaledFloat(OpKernelContext* ctx, const Tensor& tensor, float scale, Tensor* temp,
-                     const Tensor** result) {
+// Points *result at `tensor` as float32: `tensor` itself when it is float32, else `*temp`, a
+// converted copy.
+Status AsFloat(OpKernelContext* ctx, const Tensor& tensor, Tensor* temp, const Tensor** result) {
   *result = &tensor;
-  if (tensor.dtype() == ::tensorflow::DT_FLOAT && scale == 1.0f) return absl::OkStatus();
+  if (tensor.dtype() == ::tensorflow::DT_FLOAT) return absl::OkStatus();
   TF_RETURN_IF_ERROR(ctx->allocate_temp(::tensorflow::DT_FLOAT, tensor.shape(), temp));
   ConvertJob job;
   TF_RETURN_IF_ERROR(PackedJob(tensor, *temp, 0, /*to_packed=*/true, &job));
-  Backend<CPUDevice>::Convert(ctx, {job}, scale);
+  Backend<CPUDevice>::Convert(ctx, {job}, 1.0f);
   *result = temp;
   return absl::OkStatus();
 }
@@ -92,31 +95,61 @@ void Backend<CPUDevice>::SumChunks(OpKernelContext* ctx, const Tensor& chunks, f
 template <>
 void Backend<CPUDevice>::SfbReconstruct(OpKernelContext* ctx, const Tensor& u, const Tensor& v,
                                         float scale, Tensor* out) {
+  namespace ei = Eigen::internal;
+  using Index = Eigen::Index;
+  using Traits = ei::gebp_traits<float, float>;
+  using LhsMapper = ei::const_blas_data_mapper<float, Index, Eigen::ColMajor>;
+  using RhsMapper = ei::const_blas_data_mapper<float, Index, Eigen::RowMajor>;
+  using ResMapper = ei::blas_data_mapper<float, Index, Eigen::ColMajor>;
   Tensor u_temp;
   Tensor v_temp;
   const Tensor* u_float;
   const Tensor* v_float;
-  OP_REQUIRES_OK(ctx, AsScaledFloat(ctx, u, scale, &u_temp, &u_float));
-  OP_REQUIRES_OK(ctx, AsScaledFloat(ctx, v, 1.0f, &v_temp, &v_float));
-  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  const int64_t rows = u.dim_size(0);
-  const int64_t m = u.dim_size(1);
-  const int64_t n = v.dim_size(1);
-  const Eigen::Map<const RowMajor> u_map(u_float->flat<float>().data(), rows, m);
-  const Eigen::Map<const RowMajor> v_map(v_float->flat<float>().data(), rows, n);
-  Eigen::Map<RowMajor> grad(out->flat<float>().data(), m, n);
-  const int64_t tiles_n = (n + kSfbTileCols - 1) / kSfbTileCols;
-  const int64_t tiles = (m + kSfbTileRows - 1) / kSfbTileRows * tiles_n;
+  OP_REQUIRES_OK(ctx, AsFloat(ctx, u, &u_temp, &u_float));
+  OP_REQUIRES_OK(ctx, AsFloat(ctx, v, &v_temp, &v_float));
+  const Index depth = u.dim_size(0);  // R
+  const Index m = u.dim_size(1);
+  const Index n = v.dim_size(1);
+  float* result = out->flat<float>().data();
+  if (depth == 0) {
+    std::fill(result, result + m * n, 0.0f);
+    return;
+  }
+  const LhsMapper lhs(v_float->flat<float>().data(), n);  // A(i, r) = v[r, i]
+  const RhsMapper rhs(u_float->flat<float>().data(), m);  // B(r, j) = u[r, j]
+  const ResMapper res(result, n);                          // out^T(i, j) = out[j, i]
+
+  // A packed once, depth block by depth block: block k holds A[:, k*D : k*D + kc] for GEBP.
+  Tensor packed_a;
+  OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({n * depth}),
+                                         &packed_a));
+  float* blocks_a = packed_a.flat<float>().data();
+  ei::gemm_pack_lhs<float, Index, LhsMapper, Traits::mr, Traits::LhsProgress,
+                    Traits::LhsPacket4Packing, Eigen::ColMajor>
+      pack_lhs;
+  for (Index k = 0; k < depth; k += kSfbDepthBlock) {
+    const Index kc = std::min(kSfbDepthBlock, depth - k);
+    pack_lhs(blocks_a + n * k, lhs.getSubMapper(0, k), kc, n);
+  }
+
+  const Index tiles = (m + kSfbTileRows - 1) / kSfbTileRows;
   ctx->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(
-      tiles, 2 * rows * kSfbTileRows * kSfbTileCols, [&](int64_t first, int64_t last) {
+      tiles, 2 * depth * kSfbTileRows * n, [&](int64_t first, int64_t last) {
+        ei::gemm_pack_rhs<float, Index, RhsMapper, Traits::nr, Eigen::RowMajor> pack_rhs;
+        ei::gebp_kernel<float, float, Index, ResMapper, Traits::mr, Traits::nr, false, false> gebp;
+        float* block_b = static_cast<float*>(
+            ei::aligned_malloc(sizeof(float) * std::min(kSfbDepthBlock, depth) * kSfbTileRows));
         for (int64_t tile = first; tile < last; ++tile) {
-          const int64_t m0 = tile / tiles_n * kSfbTileRows;
-          const int64_t n0 = tile % tiles_n * kSfbTileCols;
-          const int64_t tile_m = std::min(kSfbTileRows, m - m0);
-          const int64_t tile_n = std::min(kSfbTileCols, n - n0);
-          grad.block(m0, n0, tile_m, tile_n).noalias() =
-              u_map.block(0, m0, rows, tile_m).transpose() * v_map.block(0, n0, rows, tile_n);
+          const Index j0 = tile * kSfbTileRows;
+          const Index cols = std::min(kSfbTileRows, m - j0);
+          std::fill(result + j0 * n, result + (j0 + cols) * n, 0.0f);
+          for (Index k = 0; k < depth; k += kSfbDepthBlock) {
+            const Index kc = std::min(kSfbDepthBlock, depth - k);
+            pack_rhs(block_b, rhs.getSubMapper(k, j0), kc, cols);
+            gebp(res.getSubMapper(0, j0), blocks_a + n * k, block_b, n, kc, cols, scale);
+          }
         }
+        ei::aligned_free(block_b);
       });
 }
 
