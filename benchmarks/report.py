@@ -396,7 +396,7 @@ def markdown(run: dict) -> str:
         "same run.",
         "",
         f"- Run: {run['started']} → {run.get('finished') or '…'}, **{status}**",
-        f"- Command (from the repository root, as root, venv active):",
+        "- Command (from the repository root, as root, venv active):",
         "",
         "  ```",
         f"  {run['command']}",

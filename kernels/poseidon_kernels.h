@@ -33,7 +33,7 @@ struct Backend {
   static void Convert(OpKernelContext* ctx, const std::vector<ConvertJob>& jobs, float scale);
   // out[j] = out_dtype(scale * sum_p chunks[p, j]) accumulated in float32; chunks [P, n], out [n].
   static void SumChunks(OpKernelContext* ctx, const Tensor& chunks, float scale, Tensor* out);
-  // out = (scale * u)^T v in float32; u [R, M], v [R, N] of one dtype, out float32 [M, N].
+  // out = scale * u^T v in float32; u [R, M], v [R, N] of one dtype, out float32 [M, N].
   static void SfbReconstruct(OpKernelContext* ctx, const Tensor& u, const Tensor& v, float scale,
                              Tensor* out);
 };

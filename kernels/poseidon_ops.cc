@@ -145,7 +145,7 @@ REGISTER_OP("PoseidonSfbReconstruct")
     .Attr("T: {float, half, bfloat16}")
     .SetShapeFn(SfbReconstructShape)
     .Doc(R"doc(
-grad = (scale * u)^T v in float32: the sufficient-factor reconstruction of a dense layer's
+grad = scale * u^T v in float32: the sufficient-factor reconstruction of a dense layer's
 weight gradient from the stacked factors u [R, M] and v [R, N].
 )doc");
 

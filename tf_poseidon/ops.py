@@ -3,7 +3,7 @@
 * ``pack`` / ``unpack``: gradients <-> one flat wire buffer (float32, float16 or bfloat16),
   scaled in float32 on the way, in one pass (fp16 transfer with per-bucket scaling).
 * ``sum_chunks``: float32-accumulating sum of P wire chunks, the local step of a reduce-scatter.
-* ``sfb_reconstruct``: ``(scale * U)^T V`` in float32, sufficient-factor reconstruction.
+* ``sfb_reconstruct``: ``scale * U^T V`` in float32, sufficient-factor reconstruction.
 
 Every function works eagerly (from any thread, on tensors or numpy arrays) and inside
 ``tf.function``; none has a gradient (they act on gradients, and report ``None`` to a tape).
@@ -130,7 +130,7 @@ def sum_chunks(
 
 
 def sfb_reconstruct(u: tf.Tensor, v: tf.Tensor, scale: Scale = 1.0) -> tf.Tensor:
-    """Reconstructs a dense layer's weight gradient from sufficient factors: ``(scale * u)^T v``.
+    """Reconstructs a dense layer's weight gradient from sufficient factors: ``scale * u^T v``.
 
     Args:
       u: ``[R, M]`` stacked layer inputs (R = P * K rows), float32, float16 or bfloat16.

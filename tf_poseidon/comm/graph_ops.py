@@ -67,7 +67,11 @@ Wait = Callable[[int], np.ndarray]
 
 def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
              tensors: Sequence[tf.Tensor], payload_dtype: np.dtype,
-             sequencer: Sequencer, keep: Keep | None = None) -> tf.Tensor:
+             sequencer: Sequencer, keep: Keep | None = None,
+             tag: Callable[[np.ndarray], np.ndarray] | None = None) -> tf.Tensor:
+    """The op that hands bucket ``index``'s payload (``tensors`` flattened and concatenated in
+    ``payload_dtype``) to the engine; ``tag(payload)`` may replace it with a view that carries
+    how it travels (comm/sfb.py). Returns the op's token."""
     count = len(tensors)
 
     def hand_over(*arrays: np.ndarray) -> np.int64:
@@ -75,6 +79,8 @@ def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, i
         payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays[:count]])
         if keep is not None:
             keep(index, payload.copy())
+        if tag is not None:
+            payload = tag(payload)
         engine.submit(group, index, payload)
         return np.int64(index)
 

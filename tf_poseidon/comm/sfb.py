@@ -25,6 +25,7 @@ Bytes per rank for a layer (equal K): (P-1)·K·(M+N)·b, b = 4 (float32) or 2, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence, Union
 
 import numpy as np
@@ -206,6 +207,13 @@ class SfbWire:
             for layer, (name, m, n) in enumerate(self.layers)) or (("sfb", 0),)
 
 
+def _tagged(payload: np.ndarray, wire: SfbWire) -> _SfbPayload:
+    """``payload`` as an SFB payload that travels by ``wire`` (see mixed_collective)."""
+    tagged = payload.view(_SfbPayload)
+    tagged.wire = wire
+    return tagged
+
+
 def mixed_collective(allreduce: Collective) -> Collective:
     """A Collective that runs SFB payloads (tagged with their SfbWire) by SFB and every other
     bucket by ``allreduce``. Engine thread only; ``wire_bytes`` answers for the bucket just run
@@ -229,25 +237,6 @@ def mixed_collective(allreduce: Collective) -> Collective:
 
 
 # -- graph side ---------------------------------------------------------------------------------
-
-
-def _enqueue_factors(engine, group, index: int, tensors: Sequence[tf.Tensor], wire: SfbWire,
-                     sequencer: graph_ops.Sequencer) -> tf.Tensor:
-    """Like graph_ops._enqueue, for an SFB bucket: the payload is tagged with its SfbWire."""
-
-    def hand_over(*arrays):
-        payload = np.concatenate([np.asarray(a, np.float32).ravel()
-                                  for a in arrays[:len(tensors)]]).view(_SfbPayload)
-        payload.wire = wire
-        engine.submit(group, index, payload)
-        return np.int64(index)
-
-    def make(extra):
-        token = tf.numpy_function(hand_over, list(tensors) + extra, tf.int64, stateful=True,
-                                  name=f"tp_enqueue_sfb_{group.name}_{index}")
-        token.set_shape([])
-        return token
-    return sequencer.run_in_order(make)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +289,9 @@ def reduce_mixed(engine: engine_lib.CommEngine, name: str, items: Sequence[Item]
                                              for i, f in zip(b.members, factors)], compression)
             rows = tf.stack([tf.cast(tf.shape(f.u)[0], tf.float32) for f in factors])
             tensors = [rows] + [t for f in factors for t in (f.u, f.v)]
-            tokens.append(_enqueue_factors(engine, group, b.index, tensors, wire, sequencer))
+            tokens.append(graph_ops._enqueue(engine, group, b.index, tensors,
+                                             np.dtype(np.float32), sequencer,
+                                             tag=functools.partial(_tagged, wire=wire)))
     results: list = [None] * len(items)
     for b in plan:
         if b.kind == "allreduce":

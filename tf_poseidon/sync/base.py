@@ -28,6 +28,9 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tf_poseidon.comm import buckets as buckets_lib
+from tf_poseidon.comm import codecs, collectives
+
 
 class Synchronizer:
     """Base class: the no-op parts of the contract above.
@@ -45,6 +48,12 @@ class Synchronizer:
         self.sequencer = sequencer
         self.config = config
         self.num_replicas = num_replicas
+        self.bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
+        self.first_bucket_bytes = min(self.bucket_bytes, buckets_lib.DEFAULT_FIRST_BUCKET_BYTES)
+        # How the mode's exchanges are summed over ranks: MPI's all-reduce in the payload's
+        # dtype, or 16 bits on the wire with float32 sums (compression="fp16"/"bf16").
+        self.summing = (collectives.ALLREDUCE_SUM if config.compression == "none"
+                        else codecs.compressed_allreduce(config.compression))
 
     def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
                          local_batch: tf.Tensor | None) -> list[tf.Tensor]:
@@ -66,6 +75,12 @@ class Synchronizer:
     def stats(self) -> dict:
         """Mode-specific statistics for ``strategy.stats()["mode"]`` (JSON-serialisable)."""
         return {}
+
+    def plan_buckets(self, values: Sequence[tf.Tensor],
+                     backprop_order: bool = True) -> list[buckets_lib.Bucket]:
+        """``values`` in buckets of the strategy's ``bucket_bytes`` (buckets.plan_buckets)."""
+        return buckets_lib.plan_buckets(values, self.bucket_bytes, self.first_bucket_bytes,
+                                        backprop_order)
 
     def local_mean(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The gradient of the mean loss over this rank's batch: Keras scales every rank's loss

@@ -20,8 +20,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import codecs, collectives, graph_ops
+from tf_poseidon.comm import graph_ops
 from tf_poseidon.comm import sfb as sfb_comm
 from tf_poseidon.sacp import capture
 from tf_poseidon.sacp import plan as plan_lib
@@ -34,12 +33,7 @@ class BSPSynchronizer(Synchronizer):
 
     def __init__(self, engine, sequencer, config, num_replicas):
         super().__init__(engine, sequencer, config, num_replicas)
-        self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
-        self._first_bucket_bytes = min(self._bucket_bytes,
-                                       buckets_lib.DEFAULT_FIRST_BUCKET_BYTES)
         self._overlap = config.overlap
-        self._collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
-                            else codecs.compressed_allreduce(config.compression))
         # SFB state: capture sessions of the replica functions being traced (innermost last),
         # the choices every rank agreed on ((kernel path, M, N) -> LayerPlan), the last plan.
         self._sessions: list[capture.CaptureSession] = []
@@ -84,10 +78,10 @@ class BSPSynchronizer(Synchronizer):
         if local_batch is not None:
             values = batch_share.weight_by_share(values, local_batch)
             names.append("batch_share")
-        plan = buckets_lib.plan_buckets(values, self._bucket_bytes, self._first_bucket_bytes)
+        plan = self.plan_buckets(values)
         wait_for = list(values) if not self._overlap else []
         summed = graph_ops.bucketed_collective(self.engine, "gradients", values, plan,
-                                               self._collective, self.sequencer,
+                                               self.summing, self.sequencer,
                                                names, wait_for)
         if local_batch is not None:
             summed = batch_share.unweight_sum(summed, self.num_replicas)
@@ -153,9 +147,9 @@ class BSPSynchronizer(Synchronizer):
         if not self._overlap:
             for it in items:
                 wait_for += [it.u, it.v] if isinstance(it, sfb_comm.FactorItem) else [it]
-        results = sfb_comm.reduce_mixed(self.engine, "gradients", items, self._collective,
+        results = sfb_comm.reduce_mixed(self.engine, "gradients", items, self.summing,
                                         self.config.compression, self.sequencer,
-                                        self._bucket_bytes, self._first_bucket_bytes, names,
+                                        self.bucket_bytes, self.first_bucket_bytes, names,
                                         wait_for)
         factor = None
         if local_batch is not None:

@@ -41,8 +41,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import codecs, collectives, graph_ops
+from tf_poseidon.comm import collectives, graph_ops
 from tf_poseidon.sync import easgd_center
 from tf_poseidon.sync.base import Synchronizer, variable_names
 
@@ -83,12 +82,6 @@ class EASGDSynchronizer(Synchronizer):
         # integration keeps per-step metrics local: a per-step metric all-reduce would make
         # every step wait for the slowest rank (see Synchronizer.lockstep).
         self.lockstep = False
-        self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
-        # The elastic all-reduce of the d_p may travel in 16 bits (summed in float32, the
-        # same result on every rank, so the centers stay equal); the async exchange and the
-        # restart of the center travel in the variables' dtype.
-        self._move_collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
-                                 else codecs.compressed_allreduce(config.compression))
         self._groups: dict[tuple, _Group] = {}
         self._swap_depth = 0
         self.counters = easgd_center.ExchangeCounters()
@@ -256,10 +249,7 @@ class EASGDSynchronizer(Synchronizer):
         mine = [v.read_value() for v in group.variables]
         if self.engine.rank != 0:
             mine = [tf.zeros_like(x) for x in mine]
-        plan = buckets_lib.plan_buckets(mine, self._bucket_bytes,
-                                        min(self._bucket_bytes,
-                                            buckets_lib.DEFAULT_FIRST_BUCKET_BYTES),
-                                        backprop_order=False)
+        plan = self.plan_buckets(mine, backprop_order=False)
         rank0 = graph_ops.bucketed_collective(self.engine, "easgd_reseed", mine, plan,
                                               collectives.ALLREDUCE_SUM, self.sequencer,
                                               group.names)
@@ -272,12 +262,11 @@ class EASGDSynchronizer(Synchronizer):
         alpha = self.alpha
         differences = [tf.cast(alpha, v.dtype) * (v.read_value() - c.read_value())
                        for v, c in zip(group.variables, group.centers)]
-        plan = buckets_lib.plan_buckets(differences, self._bucket_bytes,
-                                        min(self._bucket_bytes,
-                                            buckets_lib.DEFAULT_FIRST_BUCKET_BYTES),
-                                        backprop_order=False)
+        plan = self.plan_buckets(differences, backprop_order=False)
+        # May travel in 16 bits: summed in float32, the same result on every rank, so the
+        # centers stay equal. The async exchange and the center's restart are never compressed.
         total = graph_ops.bucketed_collective(self.engine, "easgd", differences, plan,
-                                              self._move_collective, self.sequencer,
+                                              self.summing, self.sequencer,
                                               group.names)
         for variable, center, d, summed in zip(group.variables, group.centers, differences,
                                                total):

@@ -36,8 +36,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import codecs, collectives, engine as engine_lib, graph_ops
+from tf_poseidon.comm import engine as engine_lib, graph_ops
 from tf_poseidon.sync.base import Synchronizer, variable_names
 from tf_poseidon.sync.bsp import BSPSynchronizer
 
@@ -144,9 +143,6 @@ class SSPSynchronizer(Synchronizer):
     def __init__(self, engine, sequencer, config, num_replicas):
         super().__init__(engine, sequencer, config, num_replicas)
         self.staleness = config.staleness
-        self._bucket_bytes = config.bucket_bytes or buckets_lib.DEFAULT_BUCKET_BYTES
-        self._collective = (collectives.ALLREDUCE_SUM if config.compression == "none"
-                            else codecs.compressed_allreduce(config.compression))
         self._exchanges: dict[tuple, _DeltaExchange] = {}
         self._before: list[tf.Tensor] | None = None
         self.ssp_stats = SSPStats()
@@ -173,7 +169,7 @@ class SSPSynchronizer(Synchronizer):
                   for v, b in zip(variables, before)]
         exchange = self._exchange_for(variables, shares)
         late = graph_ops.bucketed_collective(
-            self.engine, "ssp_deltas", shares, exchange.plan, self._collective, self.sequencer,
+            self.engine, "ssp_deltas", shares, exchange.plan, self.summing, self.sequencer,
             variable_names(variables), group=exchange.group, keep=exchange.keep,
             wait=exchange.late)
         for variable, origin, share, others in zip(variables, before, shares, late):
@@ -184,13 +180,11 @@ class SSPSynchronizer(Synchronizer):
         # the step): its instances, in-flight contributions and staleness accounting continue.
         key = tuple((v.name, tuple(v.shape.as_list())) for v in variables)
         if key not in self._exchanges:
-            plan = buckets_lib.plan_buckets(shares, self._bucket_bytes,
-                                            min(self._bucket_bytes,
-                                                buckets_lib.DEFAULT_FIRST_BUCKET_BYTES))
+            plan = self.plan_buckets(shares)
             names = variable_names(variables)
             layers = [[(names[i], n * b.payload_dtype.itemsize)
                        for i, n in zip(b.members, b.sizes)] for b in plan]
-            group = engine_lib.CollectiveGroup("ssp_deltas", self._collective, layers)
+            group = engine_lib.CollectiveGroup("ssp_deltas", self.summing, layers)
             self._exchanges[key] = _DeltaExchange(group, plan, variables, self.staleness,
                                                   self.ssp_stats)
         return self._exchanges[key]
