@@ -164,10 +164,19 @@ def derive(results: list[dict]) -> list[dict]:
     return rows
 
 
+def _failure(r: dict) -> str:
+    """What a configuration that did not complete reports: its status and message."""
+    text = f"{r['status']}: {r.get('message', '')}".strip().rstrip(":")
+    if "signal 9" in text and "Error" not in text:
+        text += (" (a SIGKILL with no Python error: on Linux usually the kernel's out-of-memory "
+                 "killer, see dmesg)")
+    return text
+
+
 def _notes(results: list[dict], r: dict, wire: float | None) -> str:
     """Automatic remarks: a byte-saving option that saved no bytes, failures."""
     if r["status"] != "ok":
-        return f"{r['status']}: {r.get('message', '')}".strip().rstrip(":")
+        return _failure(r)
     notes = []
     baseline = find(results, r["model"], "dwbp", r["ranks"], r["bandwidth"])
     base_tx = [b for b in (baseline or {}).get("tx_bytes_per_step") or [] if b is not None]
@@ -459,7 +468,7 @@ def markdown(run: dict) -> str:
     if failed:
         lines += ["## Failures", ""]
         lines += [f"- {r['model']} {link_label(r['bandwidth'], r['ranks'])} {r['config']}: "
-                  f"{r['status']}: {r.get('message', '')}" for r in failed]
+                  f"{_failure(r)}" for r in failed]
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -485,14 +494,16 @@ def _load_warning(rows: list[dict], env: dict) -> list[str]:
         cores = int(str(env.get("cores", "")).split()[0])
     except (ValueError, IndexError):
         return []
-    busy = [r for r in rows if (r.get("loadavg") or 0) > 2 * cores]
+    # A job of more ranks than cores loads the machine by itself: one more per extra rank.
+    busy = [r for r in rows
+            if (r.get("loadavg") or 0) > 2 * cores + max(0, (r.get("ranks") or 1) - cores)]
     if not busy:
         return []
     return [f"**Caution:** {len(busy)} of these figures were measured while the machine's "
-            f"load average exceeded {2 * cores} on its {cores} cores (other jobs were running; "
-            "see the load column). They understate what the configurations do on an idle "
-            "machine, the compute-heavy CNNs most; rerun the suite on an idle machine for "
-            "figures to compare.", ""]
+            f"1-minute load average exceeded {2 * cores} on its {cores} cores (plus one per "
+            "rank beyond the cores): the cores were oversubscribed, by other jobs or by the "
+            "ranks' own threads (see the load column). They understate what the "
+            "configurations do with a core or more per rank, the compute-heavy CNNs most.", ""]
 
 
 def chart(run: dict, path: str) -> None:
