@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+from custom_loop import train_step  # noqa: E402
 
 FEATURES, WIDE, CLASSES = 40, 192, 5
 
@@ -74,22 +75,10 @@ def build(kind: str, regularizer):
 
 def custom_loop(strategy, model, x, y, global_batch, epochs):
     """strategy.run + GradientTape + apply_gradients, TensorFlow's convention for the loss."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     data = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch))
 
-    @tf.function
-    def step(xb, yb):
-        def replica_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                per_example = loss_fn(yb, model(xb, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-                if model.losses:
-                    loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return strategy.reduce("SUM", strategy.run(replica_fn, args=(xb, yb)), axis=None)
+    step = train_step(strategy, model, model.optimizer, global_batch)
 
     losses = []
     for _ in range(epochs):

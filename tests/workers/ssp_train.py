@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+from custom_loop import train_step  # noqa: E402
 
 
 class Straggle(keras.callbacks.Callback):
@@ -51,17 +52,7 @@ def main():
         dist = strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(64))
 
-        @tf.function
-        def step(xb, yb):
-            def replica(xb, yb):
-                with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(
-                        keras.losses.sparse_categorical_crossentropy(yb, model(xb),
-                                                                     from_logits=True),
-                        global_batch_size=64)
-                grads = tape.gradient(loss, model.trainable_variables)
-                model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            strategy.run(replica, args=(xb, yb))
+        step = train_step(strategy, model, model.optimizer, 64, sum_loss=False)
 
         for _ in range(2):
             for xb, yb in dist:

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+from custom_loop import train_step  # noqa: E402
 
 GLOBAL_BATCH = 60
 
@@ -69,8 +70,6 @@ def run_custom_loop(strategy, kind, opt, n, epochs, out, from_function):
     with strategy.scope():
         model = model_for(kind)
         optimizer = optimizer_for(opt)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="none")
     if from_function:
         def dataset_fn(ctx):
             # Pipeline r reads its own rows of every global batch (balanced, contiguous).
@@ -86,17 +85,7 @@ def run_custom_loop(strategy, kind, opt, n, epochs, out, from_function):
         dist = strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
 
-    @tf.function
-    def step(xb, yb):
-        def replica_fn(xb, yb):
-            with tf.GradientTape() as tape:
-                per_example = loss_fn(yb, model(xb, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        per_replica_loss = strategy.run(replica_fn, args=(xb, yb))
-        return strategy.reduce("SUM", per_replica_loss, axis=None)
+    step = train_step(strategy, model, optimizer, GLOBAL_BATCH)
 
     losses = []
     for _ in range(epochs):

@@ -16,6 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+from custom_loop import train_step  # noqa: E402
 
 
 def dataset_fn(ctx):
@@ -48,16 +49,7 @@ def main(how):
         model.fit(dist, epochs=2, verbose=0, callbacks=[CountSteps()])
         return
 
-    @tf.function
-    def step(x, y):
-        def replica(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(
-                    keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True),
-                    global_batch_size=8 * tp.size())
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(replica, args=(x, y))
+    step = train_step(strategy, model, model.optimizer, 8 * tp.size(), sum_loss=False)
 
     for _ in range(2):
         steps = 0
