@@ -1,9 +1,10 @@
 // The CPU element loops as a plain C API on caller-owned buffers, for the communication engine
-// thread (tf_poseidon/host_kernels.py calls it through ctypes). The engine packs, sums and unpacks
-// buckets between MPI calls; going through TensorFlow ops there would cost a tensor allocation
-// (page faults on every large buffer) and a copy per step, which measured as much as the
-// conversion itself. Every function is single-threaded (the engine is one thread that runs beside
-// TensorFlow's own pools), never fails, and returns when done. Dtype codes: poseidon::Dtype.
+// thread and the numpy_function ops that hand it buckets (tf_poseidon/host_kernels.py calls it
+// through ctypes). The engine packs, sums and unpacks buckets between MPI calls; going through
+// TensorFlow ops there would cost a tensor allocation (page faults on every large buffer) and a
+// copy per step, which measured as much as the conversion itself. Every function is
+// single-threaded (it runs beside TensorFlow's own pools), never fails, and returns when done.
+// Dtype codes: poseidon::Dtype.
 #include <cstdint>
 
 #include "cpu_loops.h"
@@ -31,4 +32,22 @@ POSEIDON_C_API void poseidon_host_sum_chunks(const void* chunks, int32_t wire_ty
 // any is infinite; 0 for n = 0.
 POSEIDON_C_API uint32_t poseidon_host_max_abs_bits(const float* x, int64_t n) {
   return poseidon::MaxAbsBits(x, n);
+}
+
+// out[i] = (a[i] - b[i]) * scale for i in [0, n): one pass for SSP's share of an update.
+POSEIDON_C_API void poseidon_host_scaled_difference(const float* __restrict a,
+                                                    const float* __restrict b,
+                                                    float* __restrict out, int64_t n,
+                                                    float scale) {
+  for (int64_t i = 0; i < n; ++i) out[i] = (a[i] - b[i]) * scale;
+}
+
+// out[i] = alpha * x[i] + (r[i] - o[i]) for i in [0, n); out may be x (then out += ... with
+// alpha = 1). One pass for SSP's correction: the own update cut to its share plus a result
+// less the own contribution in it.
+POSEIDON_C_API void poseidon_host_axpy_difference(const float* x, float alpha,
+                                                  const float* __restrict r,
+                                                  const float* __restrict o, float* out,
+                                                  int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = alpha * x[i] + (r[i] - o[i]);
 }

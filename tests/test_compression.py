@@ -33,6 +33,14 @@ def test_a_nan_or_inf_on_one_rank_reaches_every_rank(codec_report, compression):
         assert float(report[f"{compression}/nan"][0]) == pytest.approx(3.0, rel=5e-3)  # intact
 
 
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
+def test_sum_into_a_separate_buffer_without_spinning_equals_the_in_place_sum(codec_report,
+                                                                           compression):
+    for report in codec_report:
+        assert report[f"sum_into/{compression}"] == {"is_out": True, "equal": True,
+                                                    "payload_intact": True}
+
+
 def test_fp16_halves_the_bytes_on_the_wire(codec_report):
     report = codec_report[0]
     assert report["bytes/fp16"] == pytest.approx(report["bytes/none"] / 2)

@@ -95,6 +95,29 @@ def test_max_abs_sees_nan_and_inf_anywhere(kernels, rng):
     assert np.isnan(kernels.max_abs(values))
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_scaled_difference_matches_numpy(kernels, rng, dtype, size):
+    a, b = (rng.normal(size=size).astype(dtype) for _ in range(2))
+    out = np.full(size, 7, np.float32 if dtype == np.float16 else dtype)
+    kernels.scaled_difference(a, b, out, 0.25)
+    expected = (a.astype(out.dtype) - b.astype(out.dtype)) * out.dtype.type(0.25)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("in_place", [False, True], ids=["into_out", "into_x"])
+def test_axpy_difference_matches_float64(kernels, rng, dtype, size, in_place):
+    x, r, o = (rng.normal(size=size).astype(dtype) for _ in range(3))
+    exact = -2.0 * x.astype(np.float64) + (r.astype(np.float64) - o)
+    # Within one rounding of each operation (the compiled loop may fuse the multiply-add).
+    bound = 4 * np.finfo(dtype).eps * (2 * np.abs(x) + np.abs(r) + np.abs(o))
+    out = x if in_place else np.full(size, 7, dtype)
+    kernels.axpy_difference(x, -2.0, r, o, out)
+    assert np.all(np.abs(out - exact) <= bound)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: host_kernels.convert(np.zeros(3, np.float32), np.zeros(4, np.float16)),
      "src has 3 elements but dst has 4"),
@@ -109,6 +132,12 @@ def test_max_abs_sees_nan_and_inf_anywhere(kernels, rng):
     (lambda: host_kernels.sum_chunks(np.zeros((2, 6), np.float16), np.zeros(5, np.float32)),
      "out have n elements"),
     (lambda: host_kernels.max_abs(np.zeros(3, np.float16)), "x must be float32"),
+    (lambda: host_kernels.scaled_difference(np.zeros(3, np.float32), np.zeros(4, np.float32),
+                                            np.zeros(3, np.float32), 1.0),
+     "same number of elements, got a 3, b 4, out 3"),
+    (lambda: host_kernels.axpy_difference(np.zeros(3, np.int64), 1.0, np.zeros(3), np.zeros(3),
+                                          np.zeros(3)),
+     "x must be a numpy array of floats, got int64"),
 ])
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(ValueError) as error:

@@ -1,4 +1,5 @@
-"""The CPU kernels of ``kernels/`` on numpy buffers, for the communication engine thread.
+"""The CPU kernels of ``kernels/`` on numpy buffers, for the communication engine thread and
+the numpy_function ops that hand it buckets.
 
 :mod:`tf_poseidon.ops` runs the kernels as TensorFlow ops on tensors. The engine thread
 (comm/engine.py) converts and sums buckets between MPI calls on numpy buffers that it owns and
@@ -11,7 +12,9 @@ library's C API (``kernels/poseidon_host_api.cc``), on the caller's arrays, in t
 with ``TF_POSEIDON_REQUIRE_OPS=1`` that is a RuntimeError instead.
 
 Arrays: C-contiguous numpy arrays of float32, float16 or bfloat16 (``tf.bfloat16.as_numpy_dtype``);
-anything else raises ValueError naming the argument. All functions block until done.
+anything else raises ValueError naming the argument; ``scaled_difference`` and
+``axpy_difference`` (SSP's passes) take any float dtypes, the compiled loop serving float32.
+All functions block until done.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 
 from tf_poseidon import ops
 
-__all__ = ["available", "convert", "sum_chunks", "max_abs"]
+__all__ = ["available", "convert", "sum_chunks", "max_abs", "scaled_difference",
+           "axpy_difference"]
 
 # poseidon::Dtype (kernels/convert.h)
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -92,6 +96,58 @@ def max_abs(x: np.ndarray) -> float:
     return float(bits.view(np.float32)[0])
 
 
+def scaled_difference(a: np.ndarray, b: np.ndarray, out: np.ndarray, scale: float) -> None:
+    """``out = (a - b) * scale`` elementwise, in ``out``'s dtype (``a``, ``b`` are converted to
+    it first). One pass when all three are float32; ``out`` must not overlap ``a`` or ``b``."""
+    _check_same_size("scaled_difference", a=a, b=b, out=out)
+    api = _c_api()
+    if api is not None and _all_float32(a, b, out):
+        api.poseidon_host_scaled_difference(a.ctypes.data, b.ctypes.data, out.ctypes.data,
+                                            out.size, scale)
+        return
+    flat = out.reshape(-1)
+    np.subtract(a.reshape(-1).astype(out.dtype, copy=False),
+                b.reshape(-1).astype(out.dtype, copy=False), out=flat)
+    flat *= out.dtype.type(scale)
+
+
+def axpy_difference(x: np.ndarray, alpha: float, r: np.ndarray, o: np.ndarray,
+                    out: np.ndarray) -> None:
+    """``out = alpha * x + (r - o)`` elementwise, all of one float dtype; ``out`` may be ``x``
+    (an accumulation with ``alpha=1``), but must not overlap ``r`` or ``o`` otherwise. One pass
+    when float32 (the compiled loop may fuse the multiply-add: within 1 ulp of numpy's)."""
+    _check_same_size("axpy_difference", x=x, r=r, o=o, out=out)
+    api = _c_api()
+    if api is not None and _all_float32(x, r, o, out):
+        api.poseidon_host_axpy_difference(x.ctypes.data, alpha, r.ctypes.data, o.ctypes.data,
+                                          out.ctypes.data, out.size)
+        return
+    flat = out.reshape(-1)
+    if x is out:
+        flat *= out.dtype.type(alpha)
+    else:
+        np.multiply(x.reshape(-1), out.dtype.type(alpha), out=flat)
+    flat += r.reshape(-1)
+    flat -= o.reshape(-1)
+
+
+def _check_same_size(function: str, **arrays: np.ndarray) -> None:
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+            raise ValueError(f"{function}: {name} must be a numpy array of floats, got "
+                             f"{getattr(array, 'dtype', type(array).__name__)}")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{function}: {name} must be C-contiguous (np.ascontiguousarray)")
+    sizes = {name: array.size for name, array in arrays.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"{function}: the arrays must have the same number of elements, got "
+                         + ", ".join(f"{name} {size}" for name, size in sizes.items()))
+
+
+def _all_float32(*arrays: np.ndarray) -> bool:
+    return all(array.dtype == np.float32 for array in arrays)
+
+
 def _code(array: np.ndarray, name: str) -> int:
     code = _DTYPE_CODES.get(array.dtype.name) if isinstance(array, np.ndarray) else None
     if code is None:
@@ -119,4 +175,8 @@ def _declare(api: ctypes.CDLL) -> ctypes.CDLL:
     api.poseidon_host_sum_chunks.restype = None
     api.poseidon_host_max_abs_bits.argtypes = [ptr, i64]
     api.poseidon_host_max_abs_bits.restype = ctypes.c_uint32
+    api.poseidon_host_scaled_difference.argtypes = [ptr, ptr, ptr, i64, f32]
+    api.poseidon_host_scaled_difference.restype = None
+    api.poseidon_host_axpy_difference.argtypes = [ptr, f32, ptr, ptr, ptr, i64]
+    api.poseidon_host_axpy_difference.restype = None
     return api

@@ -53,12 +53,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=128, help="per rank")
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--bucket-mb", type=float, default=None)
     args = parser.parse_args()
     global_batch = args.batch * tp.size()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(global_batch * args.steps, args.width)).astype("float32")
     y = rng.integers(0, 10, size=len(x)).astype("int32")
-    strategy = tp.PoseidonStrategy(mode=args.mode, staleness=args.staleness)
+    strategy = tp.PoseidonStrategy(
+        mode=args.mode, staleness=args.staleness,
+        bucket_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None)
     with strategy.scope():
         model = keras.Sequential([keras.Input((args.width,))] +
                                  [keras.layers.Dense(args.width, activation="relu")

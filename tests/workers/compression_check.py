@@ -42,6 +42,19 @@ def codec(out):
                 x[5] = float(bad)
             got = engine.call(lambda c: collective.run(c, x.copy()))
             report[f"{compression}/{bad}"] = [str(v) for v in got[4:7]]
+    # sum_into through a YieldingComm (SSP's delta exchange): the same bits as the blocking,
+    # in-place run, and the payload left as it was.
+    for name, collective in [("none", collectives.ALLREDUCE_SUM),
+                             ("fp16", codecs.compressed_allreduce("fp16")),
+                             ("bf16", codecs.compressed_allreduce("bf16"))]:
+        x = rng.normal(size=100003).astype(np.float32)
+        kept = x.copy()
+        into = np.full_like(x, np.nan)
+        got = engine.call(lambda c: collective.sum_into(collectives.YieldingComm(c), x, into))
+        blocking = engine.call(lambda c: collective.run(c, kept.copy()))
+        report[f"sum_into/{name}"] = {"is_out": got is into,
+                                      "equal": bool(np.array_equal(got, blocking)),
+                                      "payload_intact": bool(np.array_equal(x, kept))}
     for compression in ("none", "fp16"):
         strategy = tp.PoseidonStrategy(compression=compression)
         with strategy.scope():

@@ -14,7 +14,7 @@ a float32 ring all-reduce. It is Theano-MPI's "asa16" exchanger with the fixes D
    equal segments; an all-to-all gives each rank every rank's copy of its own segment, which it
    sums in float32 (``sum_chunks``) and rounds back to the wire dtype.
 3. all-gather of the summed segments, then one pass back to float32 times ``1/s``, into the
-   payload itself.
+   payload itself (``run``) or into a separate array (``sum_into``).
 
 The passes are the kernels' loops on numpy buffers (tf_poseidon/host_kernels.py), into wire
 buffers kept between calls: no TensorFlow tensor is made on the engine thread.
@@ -69,13 +69,15 @@ def compressed_allreduce(compression: str) -> Collective:
     wire = np.dtype(tf.as_dtype(WIRE_DTYPES[compression]).as_numpy_dtype)
     scratch = _Scratch(wire)
 
-    def run(comm, payload: np.ndarray) -> np.ndarray:
-        """Sums the float ``payload`` over ranks (in place if float32); returns the sum."""
+    def sum_into(comm, payload: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Sums the float ``payload`` over ranks into ``out`` (which may be ``payload``)."""
         if payload.dtype != np.float32:  # float64 gradients travel as float32 first
             if payload.dtype.kind != "f":
                 raise TypeError(f"compression={compression!r} sums floating gradients only, "
                                 f"got a {payload.dtype} bucket")
-            return run(comm, payload.astype(np.float32)).astype(payload.dtype)
+            summed = payload.astype(np.float32)
+            out[...] = sum_into(comm, summed, summed)
+            return out
         size = comm.Get_size()
         n = payload.size
         segment = -(-n // size)  # ceil: P equal segments, the last one padded
@@ -89,11 +91,12 @@ def compressed_allreduce(compression: str) -> Collective:
         host_kernels.sum_chunks(mine.reshape(size, segment), summed)
         gathered = scratch.get("gathered", segment * size)
         comm.Allgather(summed.view(np.uint16), gathered.view(np.uint16))
-        host_kernels.convert(gathered[:n], payload, 1.0 / scale)
-        return payload
+        host_kernels.convert(gathered[:n], out, 1.0 / scale)
+        return out
 
     def wire_bytes(payload_bytes: int, size: int) -> tuple[float, float]:
         moved = 2 * (size - 1) / size * payload_bytes / 2  # two phases, 16-bit elements
         return moved, moved
 
-    return Collective(f"allreduce_{compression}", run, wire_bytes)
+    return Collective(f"allreduce_{compression}",
+                      lambda comm, payload: sum_into(comm, payload, payload), wire_bytes, sum_into)

@@ -12,6 +12,7 @@ initialises MPI, which a world of one process never does.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -24,9 +25,14 @@ def _mpi():
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
+    """``sum_into``, for collectives that sum: ``sum_into(comm, payload, out)`` writes the sum
+    into ``out`` (same size and dtype) and leaves ``payload`` as it is, unless ``out`` is
+    ``payload``, which is what ``run`` does. SSP keeps its own contribution this way."""
+
     name: str
     run: Callable[[Any, np.ndarray], np.ndarray]
     wire_bytes: Callable[[int, int], tuple[float, float]]
+    sum_into: Callable[[Any, np.ndarray, np.ndarray], np.ndarray] | None = None
 
 
 def _ring_allreduce_bytes(payload_bytes: int, size: int) -> tuple[float, float]:
@@ -34,13 +40,14 @@ def _ring_allreduce_bytes(payload_bytes: int, size: int) -> tuple[float, float]:
     return moved, moved
 
 
-def _allreduce_sum(comm, payload: np.ndarray) -> np.ndarray:
-    comm.Allreduce(_mpi().IN_PLACE, payload, op=_mpi().SUM)
-    return payload
+def _allreduce_sum_into(comm, payload: np.ndarray, out: np.ndarray) -> np.ndarray:
+    comm.Allreduce(_mpi().IN_PLACE if out is payload else payload, out, op=_mpi().SUM)
+    return out
 
 
 ALLREDUCE_SUM = Collective(
-    "allreduce_sum", _allreduce_sum, _ring_allreduce_bytes)
+    "allreduce_sum", lambda comm, payload: _allreduce_sum_into(comm, payload, payload),
+    _ring_allreduce_bytes, _allreduce_sum_into)
 """Sums the 1-D payload over all ranks, in place, in its own dtype (ring: 2(P-1)/P·n each way)."""
 
 
@@ -62,3 +69,43 @@ reported assume equal lengths)."""
 def min_over_ranks(comm, value: int) -> int:
     """The minimum of ``value`` over all ranks, on every rank (a blocking, tiny all-reduce)."""
     return int(comm.allreduce(int(value), op=_mpi().MIN))
+
+
+class YieldingComm:
+    """A communicator whose collectives wait by polling with short sleeps, not MPI's spinning.
+
+    Wraps an mpi4py communicator; ``Allreduce``, ``Alltoall`` and ``Allgather`` (the calls the
+    summing collectives make) post the non-blocking form and poll it, sleeping 20 µs at first
+    and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %; where
+    TensorFlow's compute needs every core, a collective that nobody waits for yet (SSP's
+    delta exchange) then takes a core from the step for as long as the slowest peer needs
+    to join. Costs up to 0.5 ms of latency per call: not for collectives a step waits on.
+    Blocking, like the calls it replaces; engine thread only.
+    """
+
+    FIRST_SLEEP_S = 2e-5
+    LONGEST_SLEEP_S = 5e-4
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def Get_size(self) -> int:
+        return self._comm.Get_size()
+
+    def Get_rank(self) -> int:
+        return self._comm.Get_rank()
+
+    def Allreduce(self, sendbuf, recvbuf, op=None) -> None:
+        self._wait(self._comm.Iallreduce(sendbuf, recvbuf, op=op or _mpi().SUM))
+
+    def Alltoall(self, sendbuf, recvbuf) -> None:
+        self._wait(self._comm.Ialltoall(sendbuf, recvbuf))
+
+    def Allgather(self, sendbuf, recvbuf) -> None:
+        self._wait(self._comm.Iallgather(sendbuf, recvbuf))
+
+    def _wait(self, request) -> None:
+        sleep = self.FIRST_SLEEP_S
+        while not request.Test():
+            time.sleep(sleep)
+            sleep = min(2 * sleep, self.LONGEST_SLEEP_S)

@@ -8,7 +8,7 @@ Per bucket, two ops:
 * ``collect``: takes *all* tokens of the group as inputs and blocks until the bucket's result
   is there. Because it depends on every token, no inter-op thread blocks before the whole
   group has been handed over — otherwise, with only as many inter-op threads as cores, a rank
-  could wait on itself. Its output is the flat reduced payload.
+  could wait on itself. Its outputs are the result's pieces, one per tensor of the bucket.
 
 Both are stateful ``numpy_function`` ops (grappler may not constant-fold or merge them) and
 both go through the :class:`Sequencer`, which runs every communication op of a function in
@@ -61,27 +61,45 @@ class Sequencer:
         return op
 
 
-Keep = Callable[[int, np.ndarray], None]
+Pack = Callable[[Sequence[np.ndarray]], np.ndarray]
 Wait = Callable[[int], np.ndarray]
 
 
-def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
-             tensors: Sequence[tf.Tensor], payload_dtype: np.dtype,
-             sequencer: Sequencer, keep: Keep | None = None,
-             tag: Callable[[np.ndarray], np.ndarray] | None = None) -> tf.Tensor:
-    """The op that hands bucket ``index``'s payload (``tensors`` flattened and concatenated in
-    ``payload_dtype``) to the engine; ``tag(payload)`` may replace it with a view that carries
-    how it travels (comm/sfb.py). Returns the op's token."""
+TENSOR_ALIGNMENT = 64  # bytes; TensorFlow's EIGEN_MAX_ALIGN_BYTES on CPUs with AVX-512
+
+
+def aligned_empty(size: int, dtype: np.dtype) -> np.ndarray:
+    """A new 1-D array (contents undefined) whose data starts on a 64-byte boundary (unless
+    empty).
+
+    A numpy_function op's output array becomes its tensor without a copy only when so aligned
+    (TensorFlow copies others: one more pass over the data). Payloads and results use these.
+    """
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + TENSOR_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % TENSOR_ALIGNMENT
+    return raw[start:start + size * dtype.itemsize].view(dtype)
+
+
+def concatenated(dtype: np.dtype) -> Pack:
+    """The default payload: the tensors flattened and concatenated in ``dtype`` (a copy:
+    TensorFlow may reuse the arrays' memory once the enqueue op returns)."""
+    def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+        payload = aligned_empty(sum(a.size for a in arrays), dtype)
+        np.concatenate([np.asarray(a, dtype).ravel() for a in arrays], out=payload)
+        return payload
+    return pack
+
+
+def enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
+             tensors: Sequence[tf.Tensor], sequencer: Sequencer, pack: Pack) -> tf.Tensor:
+    """The op that hands bucket ``index``'s payload, ``pack(values of tensors)``, to the
+    engine. ``pack`` runs on a TensorFlow thread and must not return memory of its inputs.
+    Returns the op's token."""
     count = len(tensors)
 
     def hand_over(*arrays: np.ndarray) -> np.int64:
-        # A copy: TensorFlow may reuse the arrays' memory once this op returns.
-        payload = np.concatenate([np.asarray(a, payload_dtype).ravel() for a in arrays[:count]])
-        if keep is not None:
-            keep(index, payload.copy())
-        if tag is not None:
-            payload = tag(payload)
-        engine.submit(group, index, payload)
+        engine.submit(group, index, pack(arrays[:count]))
         return np.int64(index)
 
     def make(extra):
@@ -92,19 +110,30 @@ def _enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, i
     return sequencer.run_in_order(make)
 
 
-def _collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
-             payload_dtype: np.dtype, num_elements: int | None,
-             sequencer: Sequencer, wait: Wait | None = None) -> tf.Tensor:
+def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
+             payload_dtype: np.dtype, sizes: Sequence[int] | None,
+             sequencer: Sequencer, wait: Wait | None = None) -> list[tf.Tensor]:
+    """The op that waits for bucket ``index``'s result (``wait(index)``, default the group's
+    next result) once every token exists. Returns the result cut into 1-D pieces of ``sizes``
+    elements (outputs of the op itself: no split copies it again), or, with ``sizes=None``,
+    the whole result of any length as one piece."""
     wait = wait or group.wait_result
+    bounds = np.cumsum([0] + list(sizes)) if sizes is not None else None
 
-    def result(*_inputs) -> np.ndarray:
-        return wait(index)
+    def result(*_inputs) -> list[np.ndarray]:
+        flat = wait(index)
+        if bounds is None:
+            return [flat]
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def make(extra):
-        flat = tf.numpy_function(result, list(tokens) + extra, tf.as_dtype(payload_dtype),
-                                 stateful=True, name=f"tp_collect_{group.name}_{index}")
-        flat.set_shape([num_elements])
-        return flat
+        count = 1 if sizes is None else len(sizes)
+        pieces = tf.numpy_function(result, list(tokens) + extra,
+                                   [tf.as_dtype(payload_dtype)] * count, stateful=True,
+                                   name=f"tp_collect_{group.name}_{index}")
+        for piece, size in zip(pieces, sizes or [None]):
+            piece.set_shape([size])
+        return pieces
     return sequencer.run_in_order(make)
 
 
@@ -112,10 +141,7 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
                         values: Sequence[tf.Tensor], plan: Sequence[buckets_lib.Bucket],
                         collective: Collective, sequencer: Sequencer,
                         names: Sequence[str] | None = None,
-                        wait_for: Sequence[tf.Tensor] = (),
-                        group: engine_lib.CollectiveGroup | None = None,
-                        keep: Keep | None = None,
-                        wait: Wait | None = None) -> list[tf.Tensor]:
+                        wait_for: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
     """Runs ``collective`` on every bucket of ``plan`` through the engine.
 
     Args:
@@ -129,33 +155,31 @@ def bucketed_collective(engine: engine_lib.CommEngine, name: str,
       names: one per value, for per-layer statistics (default: positions).
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
-      group: an existing group to submit to (its instances continue; e.g. across retraces);
-        default: a new group for this call site.
-      keep: ``keep(bucket_index, payload_copy)`` is called with a copy of this rank's payload
-        when it is handed over (SSP keeps its own contribution).
-      wait: ``wait(bucket_index) -> flat result`` replaces the default "next result of this
-        bucket" (``CollectiveGroup.wait_result``), e.g. to fetch stale results.
 
     Returns:
       One tensor per value, same shape and dtype, holding that value's part of the results.
       Works eagerly (blocks until done) and in graphs (the collect ops block when run).
     """
     names = list(names) if names is not None else [str(i) for i in range(len(values))]
-    layers = [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
-              for b in plan]
-    group = group or engine_lib.CollectiveGroup(name, collective, layers)
+    group = engine_lib.CollectiveGroup(name, collective, bucket_layers(plan, names))
     with tf.control_dependencies(list(wait_for)):
-        tokens = [_enqueue(engine, group, b.index, [values[i] for i in b.members],
-                           b.payload_dtype, sequencer, keep) for b in plan]
+        tokens = [enqueue(engine, group, b.index, [values[i] for i in b.members], sequencer,
+                           concatenated(b.payload_dtype)) for b in plan]
     results: list[tf.Tensor | None] = [None] * len(values)
     for bucket in plan:
-        flat = _collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.num_elements,
-                        sequencer, wait)
-        pieces = tf.split(flat, list(bucket.sizes)) if len(bucket.members) > 1 else [flat]
+        pieces = collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.sizes,
+                          sequencer)
         for position, piece in zip(bucket.members, pieces):
             value = values[position]
             results[position] = tf.reshape(tf.cast(piece, value.dtype), value.shape)
     return results
+
+
+def bucket_layers(plan: Sequence[buckets_lib.Bucket],
+                  names: Sequence[str]) -> list[list[tuple[str, int]]]:
+    """Per bucket, its members' names and payload bytes (a CollectiveGroup's statistics)."""
+    return [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
+            for b in plan]
 
 
 def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
@@ -170,6 +194,6 @@ def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
         raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got {value.shape}.")
     dtype = np.dtype(value.dtype.as_numpy_dtype)
     group = engine_lib.CollectiveGroup(name, collective, [[(name, 0)]])
-    token = _enqueue(engine, group, 0, [value], dtype, sequencer)
-    flat = _collect(group, 0, [token], dtype, None, sequencer)
+    token = enqueue(engine, group, 0, [value], sequencer, concatenated(dtype))
+    [flat] = collect(group, 0, [token], dtype, None, sequencer)
     return tf.reshape(flat, [-1] + inner.as_list())

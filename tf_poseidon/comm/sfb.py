@@ -207,9 +207,10 @@ class SfbWire:
             for layer, (name, m, n) in enumerate(self.layers)) or (("sfb", 0),)
 
 
-def _tagged(payload: np.ndarray, wire: SfbWire) -> _SfbPayload:
-    """``payload`` as an SFB payload that travels by ``wire`` (see mixed_collective)."""
-    tagged = payload.view(_SfbPayload)
+def _tagged(arrays: Sequence[np.ndarray], wire: SfbWire) -> _SfbPayload:
+    """The float32 payload of ``arrays``, tagged to travel by ``wire`` (see mixed_collective);
+    an enqueue's ``pack``."""
+    tagged = graph_ops.concatenated(np.dtype(np.float32))(arrays).view(_SfbPayload)
     tagged.wire = wire
     return tagged
 
@@ -271,17 +272,16 @@ def reduce_mixed(engine: engine_lib.CommEngine, name: str, items: Sequence[Item]
     """
     names = list(names) if names is not None else [str(i) for i in range(len(items))]
     plan = plan_mixed(items, bucket_bytes, first_bucket_bytes)
-    layers = [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
-              for b in plan]
-    group = engine_lib.CollectiveGroup(name, mixed_collective(allreduce), layers)
+    group = engine_lib.CollectiveGroup(name, mixed_collective(allreduce),
+                                       graph_ops.bucket_layers(plan, names))
     wires = {}
     tokens = []
     with tf.control_dependencies(list(wait_for)):
         for b in plan:
             if b.kind == "allreduce":
-                tokens.append(graph_ops._enqueue(engine, group, b.index,
-                                                 [items[i] for i in b.members],
-                                                 b.payload_dtype, sequencer))
+                tokens.append(graph_ops.enqueue(engine, group, b.index,
+                                                [items[i] for i in b.members], sequencer,
+                                                graph_ops.concatenated(b.payload_dtype)))
                 continue
             factors = [items[i] for i in b.members]
             wire = wires[b.index] = SfbWire(group, b.index,
@@ -289,20 +289,18 @@ def reduce_mixed(engine: engine_lib.CommEngine, name: str, items: Sequence[Item]
                                              for i, f in zip(b.members, factors)], compression)
             rows = tf.stack([tf.cast(tf.shape(f.u)[0], tf.float32) for f in factors])
             tensors = [rows] + [t for f in factors for t in (f.u, f.v)]
-            tokens.append(graph_ops._enqueue(engine, group, b.index, tensors,
-                                             np.dtype(np.float32), sequencer,
-                                             tag=functools.partial(_tagged, wire=wire)))
+            tokens.append(graph_ops.enqueue(engine, group, b.index, tensors, sequencer,
+                                            functools.partial(_tagged, wire=wire)))
     results: list = [None] * len(items)
     for b in plan:
         if b.kind == "allreduce":
-            flat = graph_ops._collect(group, b.index, tokens, b.payload_dtype, b.num_elements,
-                                      sequencer)
-            pieces = tf.split(flat, list(b.sizes)) if len(b.members) > 1 else [flat]
+            pieces = graph_ops.collect(group, b.index, tokens, b.payload_dtype, b.sizes,
+                                       sequencer)
             for position, piece in zip(b.members, pieces):
                 value = items[position]
                 results[position] = tf.reshape(tf.cast(piece, value.dtype), value.shape)
             continue
-        flat = graph_ops._collect(group, b.index, tokens, np.dtype(np.float32), None, sequencer)
+        [flat] = graph_ops.collect(group, b.index, tokens, np.dtype(np.float32), None, sequencer)
         factors = [items[i] for i in b.members]
         count = len(factors)
         totals = tf.cast(flat[:count], tf.int32)

@@ -82,10 +82,16 @@ class Synchronizer:
         return buckets_lib.plan_buckets(values, self.bucket_bytes, self.first_bucket_bytes,
                                         backprop_order)
 
-    def local_mean(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def local_mean(self, grads: Sequence[tf.Tensor],
+                   local_batch: tf.Tensor | None = None) -> list[tf.Tensor]:
         """The gradient of the mean loss over this rank's batch: Keras scales every rank's loss
-        by 1/P for a sum over ranks, which modes that apply local gradients undo."""
-        return [g * tf.cast(self.num_replicas, g.dtype) for g in grads]
+        by 1/P for a sum over ranks, which modes that apply local gradients undo. With
+        ``local_batch`` (this rank's example count), a rank without examples gets zeros, even
+        where its loss over no examples made NaN (one pass per gradient either way)."""
+        factor = tf.constant(float(self.num_replicas))
+        if local_batch is not None:
+            factor = tf.where(local_batch > 0, factor, 0.0)
+        return [tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype)) for g in grads]
 
 
 def variable_names(variables: Sequence[tf.Variable]) -> list[str]:

@@ -21,8 +21,8 @@ def weight_by_share(grads: Sequence[tf.Tensor], local_batch: tf.Tensor) -> list[
     ranks) sends zeros, whatever its loss computed on an empty batch.
     """
     n_p = tf.cast(local_batch, tf.float32)
-    has_data = n_p > 0
-    weighted = [tf.where(has_data, g * tf.cast(n_p, g.dtype), tf.zeros_like(g)) for g in grads]
+    # multiply_no_nan: 0 where n_p is 0, even for a NaN gradient; one pass per gradient.
+    weighted = [tf.math.multiply_no_nan(g, tf.cast(n_p, g.dtype)) for g in grads]
     return weighted + [tf.reshape(n_p, [1])]
 
 

@@ -29,6 +29,7 @@ product of the layer's factors); compression does (the deltas travel in fp16/bf1
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from typing import Sequence
@@ -36,7 +37,9 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon import host_kernels
 from tf_poseidon.comm import engine as engine_lib, graph_ops
+from tf_poseidon.comm import collectives
 from tf_poseidon.sync.base import Synchronizer, variable_names
 from tf_poseidon.sync.bsp import BSPSynchronizer
 
@@ -48,63 +51,119 @@ def ssp_synchronizer(engine, sequencer, config, num_replicas) -> Synchronizer:
 
 
 class _DeltaExchange:
-    """The stale all-reduce of one set of variables: its engine group, this rank's own
-    contributions still in flight, and how far each bucket's results have been applied.
+    """The stale all-reduce of one set of variables: its engine group, this rank's own shares
+    still in flight, and how far each bucket's results have been applied.
 
-    ``keep`` runs on TF's threads when a bucket is handed over, ``late`` when the step needs
-    the stale results, ``drain`` eagerly; a lock guards the bookkeeping.
+    Per step and bucket, on TF's threads: ``share`` (the enqueue's payload) forms this rank's
+    share Δ/P from the variables after and before the update; ``correction`` (the collect's
+    result) is what to add to the variables, which the optimizer left at before + Δ:
+
+        −(P−1)/P·Δ(t) + Σ_τ (R(τ) − Δ_p(τ)/P)     over the steps τ newly completed,
+
+    with R(τ) the all-reduced shares. Each step's share stays in place while it is in flight
+    (the sum is written into a separate buffer, ``Collective.sum_into``), and both buffers go
+    back to a pool once applied: the exchange makes a step's passes over the parameters, not
+    copies. ``drain`` runs eagerly; a lock guards the bookkeeping.
     """
 
-    def __init__(self, group: engine_lib.CollectiveGroup, plan, variables, staleness: int,
-                 stats: "SSPStats"):
-        self.group = group
+    def __init__(self, group_name: str, summing, plan, variables, staleness: int,
+                 num_replicas: int, stats: "SSPStats"):
         self.plan = plan
         self.variables = list(variables)
         self.staleness = staleness
+        self.num_replicas = num_replicas
         self.stats = stats
-        self._own = [collections.deque() for _ in plan]   # own payloads not yet matched
-        self._steps = [0] * len(plan)                     # late() calls = current step
+        self.group = engine_lib.CollectiveGroup(
+            group_name,
+            collectives.Collective(f"{summing.name}_yielding", self._sum, summing.wire_bytes),
+            graph_ops.bucket_layers(plan, variable_names(variables)))
+        self._summing = summing
+        self._own = [collections.deque() for _ in plan]   # own shares in flight, oldest first
+        self._steps = [0] * len(plan)                     # correction() calls = current step
         self._applied = [0] * len(plan)                   # instances applied
+        self._pool: dict[tuple[int, np.dtype], list[np.ndarray]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
-    def keep(self, index: int, own: np.ndarray) -> None:
+    def _buffer(self, size: int, dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            free = self._pool[size, dtype]
+            return free.pop() if free else graph_ops.aligned_empty(size, dtype)
+
+    def _release(self, *buffers: np.ndarray) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._pool[buffer.size, buffer.dtype].append(buffer)
+
+    def _sum(self, comm, share: np.ndarray) -> np.ndarray:
+        # Engine thread: the sum goes to a buffer of its own; the share stays for correction().
+        # Nothing waits for it before step t+s, so it waits without spinning a core.
+        return self._summing.sum_into(collectives.YieldingComm(comm), share,
+                                      self._buffer(share.size, share.dtype))
+
+    def share(self, index: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """Bucket ``index``'s Δ/P from the members' values after, then before, the update."""
+        bucket = self.plan[index]
+        count = len(bucket.members)
+        own = self._buffer(bucket.num_elements, bucket.payload_dtype)
+        offset = 0
+        for after, before, size in zip(arrays[:count], arrays[count:], bucket.sizes):
+            host_kernels.scaled_difference(after, before, own[offset:offset + size],
+                                           1.0 / self.num_replicas)
+            offset += size
         with self._lock:
             self._own[index].append(own)
+        return own
 
-    def _apply_next(self, index: int, result: np.ndarray, into: np.ndarray, step: int) -> None:
+    def _next_result(self, index: int, result: np.ndarray, step: int):
+        """Matches ``result`` with its own share; returns both (to accumulate, then release)."""
         with self._lock:
             own = self._own[index].popleft()
             instance = self._applied[index]
             self._applied[index] += 1
-        into += result - own  # the other ranks' shares
         if index == 0:
             self.stats.record_lateness(step - instance)
+        return result, own
 
-    def late(self, index: int) -> np.ndarray:
-        """The other ranks' shares of every step newly completed, waiting for step t−s."""
+    def _add_others(self, completed, x: np.ndarray, alpha: float, out: np.ndarray) -> None:
+        """``out = alpha·x + Σ (result − own)`` over ``completed``; releases their buffers."""
+        if not completed:
+            np.multiply(x, alpha, out=out)
+        for result, own in completed:
+            host_kernels.axpy_difference(x, alpha, result, own, out)
+            self._release(result, own)
+            x, alpha = out, 1.0
+
+    def correction(self, index: int) -> np.ndarray:
+        """What bucket ``index``'s variables need added at this step (see the class docstring):
+        the own update cut to its share, plus the other ranks' shares of every step newly
+        completed, waiting for step t−s."""
         with self._lock:
             step = self._steps[index]
             self._steps[index] += 1
-        late = np.zeros(self.plan[index].num_elements, self.plan[index].payload_dtype)
+            current = self._own[index][-1]
+        completed = []
         while self._applied[index] <= step - self.staleness:
             start = time.perf_counter()
             result = self.group.wait_result(index)
             self.stats.record_blocked(time.perf_counter() - start)
-            self._apply_next(index, result, late, step)
+            completed.append(self._next_result(index, result, step))
         while self._applied[index] <= step:
             result = self.group.poll_result(index)
             if result is None:
                 break
-            self._apply_next(index, result, late, step)
-        return late
+            completed.append(self._next_result(index, result, step))
+        correction = graph_ops.aligned_empty(current.size, current.dtype)  # TF keeps it
+        self._add_others(completed, current, 1 - self.num_replicas, correction)
+        return correction
 
     def drain(self) -> None:
         """Eagerly: waits for every pending instance and adds its late shares to the variables."""
         for bucket in self.plan:
+            completed = [self._next_result(bucket.index, self.group.wait_result(bucket.index),
+                                           self._steps[bucket.index])
+                         for _ in range(len(self._own[bucket.index]))]
             late = np.zeros(bucket.num_elements, bucket.payload_dtype)
-            while self._own[bucket.index]:
-                self._apply_next(bucket.index, self.group.wait_result(bucket.index), late,
-                                 self._steps[bucket.index])
+            self._add_others(completed, late, 1.0, late)
             offset = 0
             for position, size in zip(bucket.members, bucket.sizes):
                 variable = self.variables[position]
@@ -154,39 +213,37 @@ class SSPSynchronizer(Synchronizer):
         no examples in the step (a last batch shorter than P) applies a zero gradient.
         """
         self._before = [tf.identity(v) for v in variables]
-        grads = self.local_mean(grads)
-        if local_batch is not None:
-            grads = [tf.where(local_batch > 0, g, tf.zeros_like(g)) for g in grads]
-        return grads
+        return self.local_mean(grads, local_batch)
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
-        """Keeps Δ/P of this rank's update, posts its all-reduce, applies the stale shares."""
+        """Posts the all-reduce of this rank's Δ/P; adds the correction of the class docstring
+        of _DeltaExchange (own share kept, stale shares of the others applied)."""
         before, self._before = self._before, None
         if before is None or len(before) != len(variables):
             raise RuntimeError("tf_poseidon SSP: the optimizer update was not preceded by "
                                "this step's gradient reduction (a custom optimizer path?).")
-        shares = [(tf.identity(v) - b) / tf.cast(self.num_replicas, v.dtype)
-                  for v, b in zip(variables, before)]
-        exchange = self._exchange_for(variables, shares)
-        late = graph_ops.bucketed_collective(
-            self.engine, "ssp_deltas", shares, exchange.plan, self.summing, self.sequencer,
-            variable_names(variables), group=exchange.group, keep=exchange.keep,
-            wait=exchange.late)
-        for variable, origin, share, others in zip(variables, before, shares, late):
-            variable.assign(origin + share + others)
+        exchange = self._exchange_for(variables)
+        after = [tf.identity(v) for v in variables]
+        tokens = [graph_ops.enqueue(self.engine, exchange.group, b.index,
+                                    [after[i] for i in b.members] +
+                                    [before[i] for i in b.members],
+                                    self.sequencer, functools.partial(exchange.share, b.index))
+                  for b in exchange.plan]
+        for b in exchange.plan:
+            pieces = graph_ops.collect(exchange.group, b.index, tokens, b.payload_dtype,
+                                       b.sizes, self.sequencer, exchange.correction)
+            for position, piece in zip(b.members, pieces):
+                variable = variables[position]
+                variable.assign_add(tf.reshape(tf.cast(piece, variable.dtype), variable.shape))
 
-    def _exchange_for(self, variables, shares) -> _DeltaExchange:
+    def _exchange_for(self, variables) -> _DeltaExchange:
         # One exchange per set of variables, kept across retraces (a short last batch retraces
         # the step): its instances, in-flight contributions and staleness accounting continue.
         key = tuple((v.name, tuple(v.shape.as_list())) for v in variables)
         if key not in self._exchanges:
-            plan = self.plan_buckets(shares)
-            names = variable_names(variables)
-            layers = [[(names[i], n * b.payload_dtype.itemsize)
-                       for i, n in zip(b.members, b.sizes)] for b in plan]
-            group = engine_lib.CollectiveGroup("ssp_deltas", self.summing, layers)
-            self._exchanges[key] = _DeltaExchange(group, plan, variables, self.staleness,
-                                                  self.ssp_stats)
+            self._exchanges[key] = _DeltaExchange(
+                "ssp_deltas", self.summing, self.plan_buckets(variables), variables,
+                self.staleness, self.num_replicas, self.ssp_stats)
         return self._exchanges[key]
 
     def drain(self) -> None:
