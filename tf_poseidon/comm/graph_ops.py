@@ -131,6 +131,8 @@ def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.T
         pieces = tf.numpy_function(result, list(tokens) + extra,
                                    [tf.as_dtype(payload_dtype)] * count, stateful=True,
                                    name=f"tp_collect_{group.name}_{index}")
+        if isinstance(pieces, tf.Tensor):  # eagerly, a one-element Tout list gives a tensor
+            pieces = [pieces]
         for piece, size in zip(pieces, sizes or [None]):
             piece.set_shape([size])
         return pieces
