@@ -1,11 +1,17 @@
-"""Benchmark: SSP (staleness 3) vs sync with and without an intermittent straggler.
+"""Benchmark: SSP (staleness 3) vs sync, without a straggler and with one rank slowed.
 
-    python benchmarks/bench_ssp.py [--ranks 2 3] [--repeats 3] [--delay 0.1]
+    python -m benchmarks.bench_ssp [--ranks 2 3] [--repeats 3] [--delay 0.1]
+                                   [--stragglers none moving fixed]
 
 Runs benchmarks/workers/ssp_worker.py with tfposeidon-run on this machine (loopback): sync and
-mode="ssp", staleness=3, each with rank 0 slowed by --delay seconds on one step in five (the
-slowdown is injected by the benchmark's own callback) and without; prints samples/s (median of
---repeats, interleaved) and the ratios. A benchmark, not a test.
+mode="ssp", staleness=3, under each straggler condition: ``none``; ``moving`` — on one step in
+five one rank sleeps --delay seconds, rank 0 the first time, then rank 1, ...; ``fixed`` — rank
+0 every time. The slowdown is injected by the benchmark's own Keras callback. Prints samples/s
+(median of --repeats) and SSP / sync as the median of the ratios of the --repeats pairs (the
+two modes run in turn, so a drift of the machine's speed cancels pair by pair). For a moving
+straggler it also prints the ceiling: with step time c (sync, no straggler) and delay d, sync
+loses d every five steps and SSP at best d/P (each rank only its own delays), so SSP / sync
+≤ (5c + d) / (5c + d/P). A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import subprocess
 import sys
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ssp_worker.py")
+BATCH_PER_RANK = 128  # the worker's default --batch
+MODES = {"sync": ["--mode", "sync"], "ssp3": ["--mode", "ssp", "--staleness", "3"]}
 
 
 def measure(ranks: int, args: list[str]) -> float:
@@ -35,20 +43,30 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--delay", type=float, default=0.1)
+    parser.add_argument("--stragglers", nargs="+", choices=["none", "moving", "fixed"],
+                        default=["none", "moving", "fixed"])
     args = parser.parse_args(argv)
-    configs = {"sync": ["--mode", "sync"], "ssp3": ["--mode", "ssp", "--staleness", "3"]}
-    print("| ranks | straggler | sync (samples/s) | SSP s=3 (samples/s) | SSP / sync |")
-    print("|---|---|---|---|---|")
+    print("| ranks | straggler | sync (samples/s) | SSP s=3 (samples/s) | SSP / sync "
+          "(pairs: min–max) | ceiling |")
+    print("|---|---|---|---|---|---|")
     for ranks in args.ranks:
-        for straggle in (True, False):
-            extra = ["--straggle", "--delay", str(args.delay)] if straggle else []
-            runs = {name: [] for name in configs}
+        step_s = None  # sync's step time without a straggler, for the ceiling
+        for straggler in args.stragglers:
+            extra = ["--straggler", straggler, "--delay", str(args.delay)]
+            runs = {name: [] for name in MODES}
             for _ in range(args.repeats):
-                for name, config in configs.items():
-                    runs[name].append(measure(ranks, config + extra))
-            sync, ssp = (statistics.median(runs[name]) for name in configs)
-            print(f"| {ranks} | {'yes' if straggle else 'no'} | {sync:.0f} | {ssp:.0f} | "
-                  f"{ssp / sync:.2f} |", flush=True)
+                for name, mode in MODES.items():
+                    runs[name].append(measure(ranks, mode + extra))
+            sync, ssp = (statistics.median(runs[name]) for name in MODES)
+            ratios = [b / a for a, b in zip(runs["sync"], runs["ssp3"])]
+            if straggler == "none":
+                step_s = ranks * BATCH_PER_RANK / sync
+            ceiling = "–"
+            if straggler == "moving" and step_s is not None:
+                ceiling = (f"{(5 * step_s + args.delay) / (5 * step_s + args.delay / ranks):.2f}")
+            print(f"| {ranks} | {straggler} | {sync:.0f} | {ssp:.0f} | "
+                  f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) | "
+                  f"{ceiling} |", flush=True)
     return 0
 
 
