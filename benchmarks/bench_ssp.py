@@ -9,9 +9,11 @@ five one rank sleeps --delay seconds, rank 0 the first time, then rank 1, ...; `
 0 every time. The slowdown is injected by the benchmark's own Keras callback. Prints samples/s
 (median of --repeats) and SSP / sync as the median of the ratios of the --repeats pairs (the
 two modes run in turn, so a drift of the machine's speed cancels pair by pair). For a moving
-straggler it also prints the ceiling: with step time c (sync, no straggler) and delay d, sync
-loses d every five steps and SSP at best d/P (each rank only its own delays), so SSP / sync
-≤ (5c + d) / (5c + d/P). A benchmark, not a test.
+straggler it also prints what a simple model expects: with step time c (sync, no straggler)
+and delay d, sync loses d every five steps and SSP d/P (each rank only its own delays), so
+SSP / sync = (5c + d) / (5c + d/P). (Where the ranks share cores, as on one machine, a rank
+whose peer sleeps steps faster than c, and SSP can do better than that.) A benchmark, not a
+test.
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def main(argv=None) -> int:
                         default=["none", "moving", "fixed"])
     args = parser.parse_args(argv)
     print("| ranks | straggler | sync (samples/s) | SSP s=3 (samples/s) | SSP / sync "
-          "(pairs: min–max) | ceiling |")
+          "(pairs: min–max) | model |")
     print("|---|---|---|---|---|---|")
     for ranks in args.ranks:
-        step_s = None  # sync's step time without a straggler, for the ceiling
+        step_s = None  # sync's step time without a straggler, for the model
         for straggler in args.stragglers:
             extra = ["--straggler", straggler, "--delay", str(args.delay)]
             runs = {name: [] for name in MODES}
@@ -61,12 +63,12 @@ def main(argv=None) -> int:
             ratios = [b / a for a, b in zip(runs["sync"], runs["ssp3"])]
             if straggler == "none":
                 step_s = ranks * BATCH_PER_RANK / sync
-            ceiling = "–"
+            model = "–"
             if straggler == "moving" and step_s is not None:
-                ceiling = (f"{(5 * step_s + args.delay) / (5 * step_s + args.delay / ranks):.2f}")
+                model = f"{(5 * step_s + args.delay) / (5 * step_s + args.delay / ranks):.2f}"
             print(f"| {ranks} | {straggler} | {sync:.0f} | {ssp:.0f} | "
                   f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) | "
-                  f"{ceiling} |", flush=True)
+                  f"{model} |", flush=True)
     return 0
 
 

@@ -38,8 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon import host_kernels
-from tf_poseidon.comm import engine as engine_lib, graph_ops
-from tf_poseidon.comm import collectives
+from tf_poseidon.comm import collectives, engine as engine_lib, graph_ops
 from tf_poseidon.sync.base import Synchronizer, variable_names
 from tf_poseidon.sync.bsp import BSPSynchronizer
 
