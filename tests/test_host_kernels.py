@@ -96,10 +96,11 @@ def test_max_abs_sees_nan_and_inf_anywhere(kernels, rng):
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16,
+                                   tf.bfloat16.as_numpy_dtype], ids=str)
 def test_scaled_difference_matches_numpy(kernels, rng, dtype, size):
     a, b = (rng.normal(size=size).astype(dtype) for _ in range(2))
-    out = np.full(size, 7, np.float32 if dtype == np.float16 else dtype)
+    out = np.full(size, 7, np.float64 if dtype == np.float64 else np.float32)
     kernels.scaled_difference(a, b, out, 0.25)
     expected = (a.astype(out.dtype) - b.astype(out.dtype)) * out.dtype.type(0.25)
     np.testing.assert_array_equal(out, expected)

@@ -44,6 +44,28 @@ def test_replicas_agree_after_the_drain(tmp_path_factory, num_ranks, how):
         assert stats["blocked_on_bound_s"] >= 0
 
 
+def test_fp16_compressed_deltas_leave_the_replicas_agreeing(tmp_path_factory):
+    out = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "2", "--rows", "1001",
+                "--straggle", "--compression", "fp16")
+    assert np.max(np.abs(weights(out, 1) - weights(out, 0))) <= 1e-6
+    for rank in range(2):
+        stats = json.loads((out / f"stats_rank{rank}.json").read_text())
+        assert sum(stats["staleness_histogram"].values()) == 2 * 16
+
+
+def test_bfloat16_variables_in_sync_and_ssp(tmp_path_factory):
+    # The initial broadcast must carry bfloat16 (mpi4py takes no bfloat16 buffer), and SSP's
+    # deltas of 16-bit variables travel in float32.
+    sync = train(tmp_path_factory, 2, "--mode", "sync", "--staleness", "0", "--dtype", "bfloat16")
+    np.testing.assert_array_equal(weights(sync, 1), weights(sync, 0))
+    ssp = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "2", "--rows", "1001",
+                "--straggle", "--dtype", "bfloat16")
+    reference = weights(ssp, 0)
+    # Each rank rounds its own sequence of additions to bfloat16 (8 significant bits), so the
+    # replicas agree to a few units in the last place of the largest weights, not to 1e-6.
+    assert np.max(np.abs(weights(ssp, 1) - reference)) <= 8 * 2.0 ** -7 * np.max(np.abs(reference))
+
+
 def test_digits_with_staleness_two_is_within_two_percent_of_sync():
     # SSP's result depends on when the stale updates arrive (timing), so both train long
     # enough (20 epochs) to be near convergence, where that noise is small.

@@ -133,7 +133,8 @@ def axpy_difference(x: np.ndarray, alpha: float, r: np.ndarray, o: np.ndarray,
 
 def _check_same_size(function: str, **arrays: np.ndarray) -> None:
     for name, array in arrays.items():
-        if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+        if not isinstance(array, np.ndarray) or (array.dtype.kind != "f"
+                                                 and array.dtype.name != "bfloat16"):
             raise ValueError(f"{function}: {name} must be a numpy array of floats, got "
                              f"{getattr(array, 'dtype', type(array).__name__)}")
         if not array.flags.c_contiguous:

@@ -1,11 +1,13 @@
 """Worker for the SSP tests: one fit in the mode given, then what the tests compare.
 
     ssp_train.py OUT --mode sync|ssp --staleness S [--rows N] [--straggle] [--loop]
+                     [--compression none|fp16|bf16] [--dtype float32|bfloat16]
 
 Writes OUT/rank<r>.npz (weights after fit, i.e. after its drain; loss history) and
 OUT/stats_rank<r>.json (strategy.stats()["mode"]). --straggle slows rank 1 in every other
 step so that the others run ahead (up to the bound). --loop trains with a custom loop instead
-of fit and drains explicitly with strategy.drain().
+of fit and drains explicitly with strategy.drain(). --dtype sets the Dense layers' dtype (and
+so their variables').
 """
 
 import argparse
@@ -37,15 +39,19 @@ def main():
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--straggle", action="store_true")
     parser.add_argument("--loop", action="store_true")
+    parser.add_argument("--compression", default="none")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     keras.utils.set_random_seed(11 + tp.rank())
     rng = np.random.default_rng(2)
     x = rng.normal(size=(args.rows, 20)).astype("float32")
     y = (x[:, :4].sum(1) > 0).astype("int32")
-    strategy = tp.PoseidonStrategy(mode=args.mode, staleness=args.staleness)
+    strategy = tp.PoseidonStrategy(mode=args.mode, staleness=args.staleness,
+                                   compression=args.compression)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(2)])
+        model = keras.Sequential([keras.Input((20,)),
+                                  keras.layers.Dense(64, activation="relu", dtype=args.dtype),
+                                  keras.layers.Dense(2, dtype=args.dtype)])
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if args.loop:
@@ -64,7 +70,8 @@ def main():
         loss = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
                          callbacks=callbacks).history["loss"]
     np.savez(os.path.join(args.out, f"rank{tp.rank()}.npz"),
-             weights=np.concatenate([v.numpy().ravel() for v in model.weights]), loss=loss)
+             weights=np.concatenate([v.numpy().astype(np.float32).ravel()
+                                     for v in model.weights]), loss=loss)
     with open(os.path.join(args.out, f"stats_rank{tp.rank()}.json"), "w") as f:
         json.dump(strategy.stats().get("mode", {}), f)
 

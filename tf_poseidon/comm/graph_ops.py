@@ -92,7 +92,7 @@ def concatenated(dtype: np.dtype) -> Pack:
 
 
 def enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
-             tensors: Sequence[tf.Tensor], sequencer: Sequencer, pack: Pack) -> tf.Tensor:
+            tensors: Sequence[tf.Tensor], sequencer: Sequencer, pack: Pack) -> tf.Tensor:
     """The op that hands bucket ``index``'s payload, ``pack(values of tensors)``, to the
     engine. ``pack`` runs on a TensorFlow thread and must not return memory of its inputs.
     Returns the op's token."""
@@ -111,8 +111,8 @@ def enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, in
 
 
 def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
-             payload_dtype: np.dtype, sizes: Sequence[int] | None,
-             sequencer: Sequencer, wait: Wait | None = None) -> list[tf.Tensor]:
+            payload_dtype: np.dtype, sizes: Sequence[int] | None,
+            sequencer: Sequencer, wait: Wait | None = None) -> list[tf.Tensor]:
     """The op that waits for bucket ``index``'s result (``wait(index)``, default the group's
     next result) once every token exists. Returns the result cut into 1-D pieces of ``sizes``
     elements (outputs of the op itself: no split copies it again), or, with ``sizes=None``,
