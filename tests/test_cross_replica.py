@@ -15,6 +15,7 @@ def test_reduce_and_gather_give_every_rank_the_same_exact_answer(tmp_path, ranks
         "mean_vector": [sum(range(ranks)) / ranks, 2.0 * sum(range(ranks)) / ranks, 3.0],
         "sum_float64": [float(sum(range(ranks)))],
         "gather_rows": [[float(r)] * 2 for r in range(ranks) for _ in range(r + 1)],
+        "gather_bfloat16": [[float(r)] * 2 for r in range(ranks) for _ in range(r + 1)],
         "all_gather": [[float(r) for r in range(ranks)]],
     }
     for rank in range(ranks):

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon.comm import collectives
 from tf_poseidon.comm.engine import CommEngine
 
 Description = tuple[str, tuple, str]
@@ -60,8 +61,7 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     for dtype, group in by_dtype.items():
         buffer = np.concatenate([np.asarray(v.numpy()).ravel() for v in group]) \
             if group else np.empty(0, dtype.as_numpy_dtype)
-        # As bytes: mpi4py takes no buffer of a bfloat16 array (not a type DLPack knows).
-        engine.call(lambda comm, b=buffer: comm.Bcast(b.view(np.uint8), root=0))
+        engine.call(lambda comm, b=buffer: comm.Bcast(collectives.as_mpi_buffer(b), root=0))
         offset = 0
         for v in group:
             n = v.shape.num_elements()

@@ -3,7 +3,8 @@
     cross_replica.py OUT
 
 strategy.reduce (SUM, MEAN) of scalars and vectors, strategy.gather of rows that differ in
-number per rank, and a replica context's all_gather. Writes OUT/rank<r>.json.
+number per rank (float32 and bfloat16), and a replica context's all_gather. Writes
+OUT/rank<r>.json.
 """
 
 import json
@@ -25,6 +26,8 @@ def collectives(strategy: tp.PoseidonStrategy) -> dict:
         "mean_vector": strategy.reduce("MEAN", tf.constant([r, 2.0 * r, 3.0]), axis=None),
         "sum_float64": strategy.reduce("SUM", tf.constant([r], tf.float64), axis=None),
         "gather_rows": strategy.gather(rows, axis=0),
+        "gather_bfloat16": tf.cast(strategy.gather(tf.cast(rows, tf.bfloat16), axis=0),
+                                   tf.float32),
         "all_gather": strategy.run(
             lambda: tf.distribute.get_replica_context().all_gather(tf.constant([[r]]), axis=1)),
     }

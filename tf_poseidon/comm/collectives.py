@@ -35,6 +35,13 @@ class Collective:
     sum_into: Callable[[Any, np.ndarray, np.ndarray], np.ndarray] | None = None
 
 
+def as_mpi_buffer(array: np.ndarray) -> np.ndarray:
+    """``array`` in a form mpi4py can send or receive into, for moving data (no arithmetic):
+    a bfloat16 array, which mpi4py cannot buffer (not a DLPack type), as a uint16 view of its
+    bits; any other array as it is."""
+    return array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+
+
 def _ring_allreduce_bytes(payload_bytes: int, size: int) -> tuple[float, float]:
     moved = 2 * (size - 1) / size * payload_bytes
     return moved, moved
@@ -55,7 +62,7 @@ def _allgather_concat(comm, payload: np.ndarray) -> np.ndarray:
     counts = np.array(comm.allgather(payload.size), dtype=np.int64)
     out = np.empty(int(counts.sum()), payload.dtype)
     displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    comm.Allgatherv(payload, [out, (counts, displacements)])
+    comm.Allgatherv(as_mpi_buffer(payload), [as_mpi_buffer(out), (counts, displacements)])
     return out
 
 

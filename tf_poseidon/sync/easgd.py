@@ -222,7 +222,7 @@ class EASGDSynchronizer(Synchronizer):
             for g in groups:
                 flat = holder.snapshot(g.index) if holder is not None \
                     else np.empty(g.num_elements, g.dtype)
-                comm.Bcast(flat, root=easgd_center.HOLDER_RANK)
+                comm.Bcast(collectives.as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
                 flats.append(flat)
             return flats
         flats = self.engine.call(fetch)
