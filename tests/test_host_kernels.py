@@ -108,14 +108,16 @@ def test_scaled_difference_matches_numpy(kernels, rng, dtype, size):
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("in_place", [False, True], ids=["into_out", "into_x"])
-def test_axpy_difference_matches_float64(kernels, rng, dtype, size, in_place):
-    x, r, o = (rng.normal(size=size).astype(dtype) for _ in range(3))
-    exact = -2.0 * x.astype(np.float64) + (r.astype(np.float64) - o)
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_sum_of_differences_matches_float64(kernels, rng, dtype, size, pairs):
+    results = [rng.normal(size=size).astype(dtype) for _ in range(pairs)]
+    owns = [rng.normal(size=size).astype(dtype) for _ in range(pairs)]
+    exact = sum(r.astype(np.float64) - 3.0 * o for r, o in zip(results, owns))
     # Within one rounding of each operation (the compiled loop may fuse the multiply-add).
-    bound = 4 * np.finfo(dtype).eps * (2 * np.abs(x) + np.abs(r) + np.abs(o))
-    out = x if in_place else np.full(size, 7, dtype)
-    kernels.axpy_difference(x, -2.0, r, o, out)
+    bound = 4 * pairs * np.finfo(dtype).eps * sum(np.abs(r) + 3 * np.abs(o)
+                                                  for r, o in zip(results, owns))
+    out = np.full(size, 7, dtype)
+    kernels.sum_of_differences(results, owns, 3.0, out)
     assert np.all(np.abs(out - exact) <= bound)
 
 
@@ -136,9 +138,14 @@ def test_axpy_difference_matches_float64(kernels, rng, dtype, size, in_place):
     (lambda: host_kernels.scaled_difference(np.zeros(3, np.float32), np.zeros(4, np.float32),
                                             np.zeros(3, np.float32), 1.0),
      "same number of elements, got a 3, b 4, out 3"),
-    (lambda: host_kernels.axpy_difference(np.zeros(3, np.int64), 1.0, np.zeros(3), np.zeros(3),
-                                          np.zeros(3)),
-     "x must be a numpy array of floats, got int64"),
+    (lambda: host_kernels.sum_of_differences([np.zeros(3, np.int64)], [np.zeros(3)], 1.0,
+                                             np.zeros(3)),
+     "results[0] must be a numpy array of floats, got int64"),
+    (lambda: host_kernels.sum_of_differences([np.zeros(3)], [], 1.0, np.zeros(3)),
+     "needs as many owns as results, at least one, got 1 and 0"),
+    (lambda: host_kernels.sum_of_differences([np.zeros(3)], [np.zeros(3, np.float32)], 1.0,
+                                             np.zeros(3)),
+     "must all have one dtype"),
 ])
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(ValueError) as error:

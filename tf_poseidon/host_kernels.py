@@ -13,7 +13,7 @@ with ``TF_POSEIDON_REQUIRE_OPS=1`` that is a RuntimeError instead.
 
 Arrays: C-contiguous numpy arrays of float32, float16 or bfloat16 (``tf.bfloat16.as_numpy_dtype``);
 anything else raises ValueError naming the argument; ``scaled_difference`` and
-``axpy_difference`` (SSP's passes) take any float dtypes, the compiled loop serving float32.
+``sum_of_differences`` (SSP's passes) take any float dtypes, the compiled loop serving float32.
 All functions block until done.
 """
 
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Sequence
 
 import numpy as np
 
 from tf_poseidon import ops
 
 __all__ = ["available", "convert", "sum_chunks", "max_abs", "scaled_difference",
-           "axpy_difference"]
+           "sum_of_differences"]
 
 # poseidon::Dtype (kernels/convert.h)
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -111,24 +112,35 @@ def scaled_difference(a: np.ndarray, b: np.ndarray, out: np.ndarray, scale: floa
     flat *= out.dtype.type(scale)
 
 
-def axpy_difference(x: np.ndarray, alpha: float, r: np.ndarray, o: np.ndarray,
-                    out: np.ndarray) -> None:
-    """``out = alpha * x + (r - o)`` elementwise, all of one float dtype; ``out`` may be ``x``
-    (an accumulation with ``alpha=1``), but must not overlap ``r`` or ``o`` otherwise. One pass
-    when float32 (the compiled loop may fuse the multiply-add: within 1 ulp of numpy's)."""
-    _check_same_size("axpy_difference", x=x, r=r, o=o, out=out)
+def sum_of_differences(results: Sequence[np.ndarray], owns: Sequence[np.ndarray],
+                       scale: float, out: np.ndarray) -> None:
+    """``out = Σ_j (results[j] - scale * owns[j])`` elementwise, summed in order j = 0, 1, ...;
+    all arrays of one float dtype and size, at least one pair; ``out`` must not overlap the
+    inputs. One pass over all of them when float32 (the compiled loop may fuse the
+    multiply-add: within an ulp per term of numpy's)."""
+    if len(results) != len(owns) or not results:
+        raise ValueError(f"sum_of_differences: needs as many owns as results, at least one, "
+                         f"got {len(results)} and {len(owns)}")
+    _check_same_size("sum_of_differences", out=out,
+                     **{f"results[{j}]": r for j, r in enumerate(results)},
+                     **{f"owns[{j}]": o for j, o in enumerate(owns)})
+    if len({a.dtype for a in (*results, *owns, out)}) > 1:
+        raise ValueError("sum_of_differences: the arrays must all have one dtype")
     api = _c_api()
-    if api is not None and _all_float32(x, r, o, out):
-        api.poseidon_host_axpy_difference(x.ctypes.data, alpha, r.ctypes.data, o.ctypes.data,
-                                          out.ctypes.data, out.size)
+    if api is not None and out.dtype == np.float32:
+        pointers = ctypes.c_void_p * len(results)
+        api.poseidon_host_sum_of_differences(pointers(*(r.ctypes.data for r in results)),
+                                             pointers(*(o.ctypes.data for o in owns)),
+                                             len(results), scale, out.ctypes.data, out.size)
         return
     flat = out.reshape(-1)
-    if x is out:
-        flat *= out.dtype.type(alpha)
-    else:
-        np.multiply(x.reshape(-1), out.dtype.type(alpha), out=flat)
-    flat += r.reshape(-1)
-    flat -= o.reshape(-1)
+    factor = out.dtype.type(scale)
+    for j, (result, own) in enumerate(zip(results, owns)):
+        term = result.reshape(-1) - own.reshape(-1) * factor
+        if j == 0:
+            flat[...] = term
+        else:
+            flat += term
 
 
 def _check_same_size(function: str, **arrays: np.ndarray) -> None:
@@ -178,6 +190,6 @@ def _declare(api: ctypes.CDLL) -> ctypes.CDLL:
     api.poseidon_host_max_abs_bits.restype = ctypes.c_uint32
     api.poseidon_host_scaled_difference.argtypes = [ptr, ptr, ptr, i64, f32]
     api.poseidon_host_scaled_difference.restype = None
-    api.poseidon_host_axpy_difference.argtypes = [ptr, f32, ptr, ptr, ptr, i64]
-    api.poseidon_host_axpy_difference.restype = None
+    api.poseidon_host_sum_of_differences.argtypes = [ptr, ptr, i32, f32, ptr, i64]
+    api.poseidon_host_sum_of_differences.restype = None
     return api

@@ -128,15 +128,20 @@ def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.T
 
     def make(extra):
         count = 1 if sizes is None else len(sizes)
-        pieces = tf.numpy_function(result, list(tokens) + extra,
-                                   [tf.as_dtype(payload_dtype)] * count, stateful=True,
-                                   name=f"tp_collect_{group.name}_{index}")
-        if isinstance(pieces, tf.Tensor):  # eagerly, a one-element Tout list gives a tensor
-            pieces = [pieces]
+        pieces = numpy_outputs(result, list(tokens) + extra, [tf.as_dtype(payload_dtype)] * count,
+                               f"tp_collect_{group.name}_{index}")
         for piece, size in zip(pieces, sizes or [None]):
             piece.set_shape([size])
         return pieces
     return sequencer.run_in_order(make)
+
+
+def numpy_outputs(function: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
+                  dtypes: Sequence[tf.DType], name: str) -> list[tf.Tensor]:
+    """A stateful ``tf.numpy_function`` op of ``len(dtypes)`` outputs, as a list also eagerly
+    (where a one-element ``Tout`` list would give a bare tensor)."""
+    outputs = tf.numpy_function(function, list(inputs), list(dtypes), stateful=True, name=name)
+    return [outputs] if isinstance(outputs, tf.Tensor) else list(outputs)
 
 
 def bucketed_collective(engine: engine_lib.CommEngine, name: str,

@@ -54,15 +54,19 @@ class _DeltaExchange:
     still in flight, and how far each bucket's results have been applied.
 
     Per step and bucket, on TF's threads: ``share`` (the enqueue's payload) forms this rank's
-    share Δ/P from the variables after and before the update; ``correction`` (the collect's
-    result) is what to add to the variables, which the optimizer left at before + Δ:
+    share Δ/P from the variables after and before the update; ``refresh`` (the collect) decides
+    whether step t must apply late updates — only when step t−s's are not applied yet — and if
+    so waits for those, takes every other step's already completed too, and prepares
 
-        −(P−1)/P·Δ(t) + Σ_τ (R(τ) − Δ_p(τ)/P)     over the steps τ newly completed,
+        Σ_τ (R(τ) − P·Δ_p(τ)/P)     over the steps τ taken,
 
-    with R(τ) the all-reduced shares. Each step's share stays in place while it is in flight
-    (the sum is written into a separate buffer, ``Collective.sum_into``), and both buffers go
-    back to a pool once applied: the exchange makes a step's passes over the parameters, not
-    copies. ``drain`` runs eagerly; a lock guards the bookkeeping.
+    with R(τ) the all-reduced shares: what turns the own update, applied in full by the
+    optimizer, into everyone's average. ``take_correction`` hands it over for the
+    ``assign_add``. Applying late updates in batches of about s steps, as an SSP worker
+    refreshes its cache only when it is too stale, makes one pass over the parameters per
+    batch instead of one per step. Each step's share stays in place while in flight (the sum is
+    written into a separate buffer, ``Collective.sum_into``), and both go back to a pool once
+    applied. ``drain`` runs eagerly; a lock guards the bookkeeping.
     """
 
     def __init__(self, group_name: str, summing, plan, variables, staleness: int,
@@ -78,8 +82,9 @@ class _DeltaExchange:
             graph_ops.bucket_layers(plan, variable_names(variables)))
         self._summing = summing
         self._own = [collections.deque() for _ in plan]   # own shares in flight, oldest first
-        self._steps = [0] * len(plan)                     # correction() calls = current step
+        self._steps = [0] * len(plan)                     # refresh() calls = current step
         self._applied = [0] * len(plan)                   # instances applied
+        self._due: list[np.ndarray | None] = [None] * len(plan)  # prepared, not yet taken
         self._pool: dict[tuple[int, np.dtype], list[np.ndarray]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
@@ -94,8 +99,8 @@ class _DeltaExchange:
                 self._pool[buffer.size, buffer.dtype].append(buffer)
 
     def _sum(self, comm, share: np.ndarray) -> np.ndarray:
-        # Engine thread: the sum goes to a buffer of its own; the share stays for correction().
-        # Nothing waits for it before step t+s, so it waits without spinning a core.
+        # Engine thread: the sum goes to a buffer of its own; the share stays for the
+        # correction. Nothing waits for it before step t+s, so it waits without spinning a core.
         return self._summing.sum_into(collectives.YieldingComm(comm), share,
                                       self._buffer(share.size, share.dtype))
 
@@ -113,8 +118,8 @@ class _DeltaExchange:
             self._own[index].append(own)
         return own
 
-    def _next_result(self, index: int, result: np.ndarray, step: int):
-        """Matches ``result`` with its own share; returns both (to accumulate, then release)."""
+    def _take(self, index: int, result: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Matches the next ``result`` with its own share, recording how late it is applied."""
         with self._lock:
             own = self._own[index].popleft()
             instance = self._applied[index]
@@ -123,52 +128,61 @@ class _DeltaExchange:
             self.stats.record_lateness(step - instance)
         return result, own
 
-    def _add_others(self, completed, x: np.ndarray, alpha: float, out: np.ndarray) -> None:
-        """``out = alpha·x + Σ (result − own)`` over ``completed``; releases their buffers."""
-        if not completed:
-            np.multiply(x, alpha, out=out)
-        for result, own in completed:
-            host_kernels.axpy_difference(x, alpha, result, own, out)
-            self._release(result, own)
-            x, alpha = out, 1.0
+    def _late_updates(self, completed: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Σ (result − P·own) over ``completed`` in a new aligned array (TensorFlow adopts
+        it); their buffers go back to the pool."""
+        results, owns = zip(*completed)
+        out = graph_ops.aligned_empty(results[0].size, results[0].dtype)
+        host_kernels.sum_of_differences(results, owns, self.num_replicas, out)
+        self._release(*results, *owns)
+        return out
 
-    def correction(self, index: int) -> np.ndarray:
-        """What bucket ``index``'s variables need added at this step (see the class docstring):
-        the own update cut to its share, plus the other ranks' shares of every step newly
-        completed, waiting for step t−s."""
+    def refresh(self, index: int) -> np.ndarray:
+        """Step t of bucket ``index``: if step t−s's late updates are not applied yet, waits
+        for them, takes those of every later step already completed, prepares their sum for
+        ``take_correction`` and returns ``[True]``; else ``[False]``."""
         with self._lock:
             step = self._steps[index]
             self._steps[index] += 1
-            current = self._own[index][-1]
+        if self._applied[index] > step - self.staleness:
+            return np.array([False])
         completed = []
         while self._applied[index] <= step - self.staleness:
             start = time.perf_counter()
             result = self.group.wait_result(index)
             self.stats.record_blocked(time.perf_counter() - start)
-            completed.append(self._next_result(index, result, step))
+            completed.append(self._take(index, result, step))
         while self._applied[index] <= step:
             result = self.group.poll_result(index)
             if result is None:
                 break
-            completed.append(self._next_result(index, result, step))
-        correction = graph_ops.aligned_empty(current.size, current.dtype)  # TF keeps it
-        self._add_others(completed, current, 1 - self.num_replicas, correction)
-        return correction
+            completed.append(self._take(index, result, step))
+        self._due[index] = self._late_updates(completed)
+        return np.array([True])
+
+    def take_correction(self, index: int) -> list[np.ndarray]:
+        """What ``refresh`` prepared for bucket ``index``, cut into its members' pieces."""
+        flat, self._due[index] = self._due[index], None
+        bounds = np.cumsum([0] + list(self.plan[index].sizes))
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def drain(self) -> None:
-        """Eagerly: waits for every pending instance and adds its late shares to the variables."""
+        """Eagerly: waits for every pending instance and adds its late updates."""
         for bucket in self.plan:
-            completed = [self._next_result(bucket.index, self.group.wait_result(bucket.index),
-                                           self._steps[bucket.index])
+            completed = [self._take(bucket.index, self.group.wait_result(bucket.index),
+                                    self._steps[bucket.index])
                          for _ in range(len(self._own[bucket.index]))]
-            late = np.zeros(bucket.num_elements, bucket.payload_dtype)
-            self._add_others(completed, late, 1.0, late)
-            offset = 0
-            for position, size in zip(bucket.members, bucket.sizes):
-                variable = self.variables[position]
-                piece = late[offset:offset + size].reshape(variable.shape.as_list())
-                variable.assign_add(tf.cast(piece, variable.dtype))
-                offset += size
+            if completed:
+                self._due[bucket.index] = self._late_updates(completed)
+                add_pieces(self.variables, bucket.members, self.take_correction(bucket.index))
+
+
+def add_pieces(variables, members: Sequence[int], pieces) -> None:
+    """``variables[m] += pieces[i]`` (reshaped, cast to the variable's dtype) for the i-th
+    member m."""
+    for position, piece in zip(members, pieces):
+        variable = variables[position]
+        variable.assign_add(tf.reshape(tf.cast(piece, variable.dtype), variable.shape))
 
 
 class SSPStats:
@@ -215,8 +229,8 @@ class SSPSynchronizer(Synchronizer):
         return self.local_mean(grads, local_batch)
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
-        """Posts the all-reduce of this rank's Δ/P; adds the correction of the class docstring
-        of _DeltaExchange (own share kept, stale shares of the others applied)."""
+        """Posts the all-reduce of this rank's Δ/P; when step t−s's late updates are due,
+        adds them (see _DeltaExchange)."""
         before, self._before = self._before, None
         if before is None or len(before) != len(variables):
             raise RuntimeError("tf_poseidon SSP: the optimizer update was not preceded by "
@@ -229,11 +243,18 @@ class SSPSynchronizer(Synchronizer):
                                     self.sequencer, functools.partial(exchange.share, b.index))
                   for b in exchange.plan]
         for b in exchange.plan:
-            pieces = graph_ops.collect(exchange.group, b.index, tokens, b.payload_dtype,
-                                       b.sizes, self.sequencer, exchange.correction)
-            for position, piece in zip(b.members, pieces):
-                variable = variables[position]
-                variable.assign_add(tf.reshape(tf.cast(piece, variable.dtype), variable.shape))
+            [due] = graph_ops.collect(exchange.group, b.index, tokens, np.bool_, [1],
+                                      self.sequencer, exchange.refresh)
+            tf.cond(due[0], functools.partial(self._apply_due, exchange, b, variables),
+                    lambda: None)
+
+    @staticmethod
+    def _apply_due(exchange: _DeltaExchange, bucket, variables) -> None:
+        pieces = graph_ops.numpy_outputs(
+            functools.partial(exchange.take_correction, bucket.index), [],
+            [tf.as_dtype(bucket.payload_dtype)] * len(bucket.members),
+            f"tp_take_{exchange.group.name}_{bucket.index}")
+        add_pieces(variables, bucket.members, pieces)
 
     def _exchange_for(self, variables) -> _DeltaExchange:
         # One exchange per set of variables, kept across retraces (a short last batch retraces
