@@ -1,4 +1,5 @@
-"""graph_ops.aligned_empty: the arrays that numpy_function ops hand to TensorFlow."""
+"""graph_ops.aligned_empty: the arrays that numpy_function ops hand to TensorFlow, and what
+TensorFlow does with them without copying."""
 
 import numpy as np
 import pytest
@@ -34,3 +35,20 @@ def test_tensorflow_adopts_an_aligned_output_without_copying_it():
     assert _address_seen_by_tensorflow(aligned) == aligned.ctypes.data
     unaligned = graph_ops.aligned_empty((1 << 20) + 1, np.float32)[1:]
     assert _address_seen_by_tensorflow(unaligned) != unaligned.ctypes.data
+
+
+def test_a_variable_assigned_an_adopted_output_takes_its_buffer():
+    # Why SSP assigns its refreshed values instead of adding the late updates: the assign of a
+    # reshaped, adopted numpy_function output makes it the variable's buffer (no pass over it).
+    variable = tf.Variable(tf.zeros([512, 256]))
+    refreshed = graph_ops.aligned_empty(512 * 256, np.float32)
+    refreshed[:] = 3.0
+
+    @tf.function(autograph=False)
+    def assign():
+        tensor = tf.numpy_function(lambda: refreshed, [], tf.float32, stateful=True)
+        variable.assign(tf.reshape(tensor, variable.shape))
+        return tf.numpy_function(lambda v: np.int64(v.ctypes.data), [variable.read_value()],
+                                 tf.int64, stateful=True)
+    assert int(assign()) == refreshed.ctypes.data
+    np.testing.assert_array_equal(variable.numpy(), 3.0)

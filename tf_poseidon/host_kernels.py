@@ -113,34 +113,38 @@ def scaled_difference(a: np.ndarray, b: np.ndarray, out: np.ndarray, scale: floa
 
 
 def sum_of_differences(results: Sequence[np.ndarray], owns: Sequence[np.ndarray],
-                       scale: float, out: np.ndarray) -> None:
-    """``out = Σ_j (results[j] - scale * owns[j])`` elementwise, summed in order j = 0, 1, ...;
-    all arrays of one float dtype and size, at least one pair; ``out`` must not overlap the
-    inputs. One pass over all of them when float32 (the compiled loop may fuse the
-    multiply-add: within an ulp per term of numpy's)."""
+                       scale: float, out: np.ndarray, base: np.ndarray | None = None) -> None:
+    """``out = base + Σ_j (results[j] - scale * owns[j])`` elementwise (no ``base``: zeros),
+    summed in order j = 0, 1, ... in the dtype of ``results`` and ``owns`` (one float dtype, at
+    least one pair), then rounded to ``out``'s; ``base`` of any float dtype, all of one size.
+    ``out`` may be ``base`` but must not overlap the other inputs. One pass over all of them
+    when all are float32 (the compiled loop may fuse the multiply-add: within an ulp per term
+    of numpy's)."""
     if len(results) != len(owns) or not results:
         raise ValueError(f"sum_of_differences: needs as many owns as results, at least one, "
                          f"got {len(results)} and {len(owns)}")
-    _check_same_size("sum_of_differences", out=out,
+    extra = {} if base is None else {"base": base}
+    _check_same_size("sum_of_differences", out=out, **extra,
                      **{f"results[{j}]": r for j, r in enumerate(results)},
                      **{f"owns[{j}]": o for j, o in enumerate(owns)})
-    if len({a.dtype for a in (*results, *owns, out)}) > 1:
-        raise ValueError("sum_of_differences: the arrays must all have one dtype")
+    dtype = results[0].dtype
+    if any(a.dtype != dtype for a in (*results, *owns)):
+        raise ValueError("sum_of_differences: results and owns must all have one dtype")
     api = _c_api()
-    if api is not None and out.dtype == np.float32:
+    if api is not None and _all_float32(out, results[0], *extra.values()):
         pointers = ctypes.c_void_p * len(results)
         api.poseidon_host_sum_of_differences(pointers(*(r.ctypes.data for r in results)),
                                              pointers(*(o.ctypes.data for o in owns)),
-                                             len(results), scale, out.ctypes.data, out.size)
+                                             len(results), scale,
+                                             None if base is None else base.ctypes.data,
+                                             out.ctypes.data, out.size)
         return
-    flat = out.reshape(-1)
-    factor = out.dtype.type(scale)
-    for j, (result, own) in enumerate(zip(results, owns)):
-        term = result.reshape(-1) - own.reshape(-1) * factor
-        if j == 0:
-            flat[...] = term
-        else:
-            flat += term
+    factor = dtype.type(scale)
+    total = (np.zeros(out.size, dtype) if base is None
+             else base.reshape(-1).astype(dtype, copy=True))
+    for result, own in zip(results, owns):
+        total += result.reshape(-1) - own.reshape(-1) * factor
+    np.copyto(out.reshape(-1), total, casting="unsafe")
 
 
 def _check_same_size(function: str, **arrays: np.ndarray) -> None:
@@ -190,6 +194,6 @@ def _declare(api: ctypes.CDLL) -> ctypes.CDLL:
     api.poseidon_host_max_abs_bits.restype = ctypes.c_uint32
     api.poseidon_host_scaled_difference.argtypes = [ptr, ptr, ptr, i64, f32]
     api.poseidon_host_scaled_difference.restype = None
-    api.poseidon_host_sum_of_differences.argtypes = [ptr, ptr, i32, f32, ptr, i64]
+    api.poseidon_host_sum_of_differences.argtypes = [ptr, ptr, i32, f32, ptr, ptr, i64]
     api.poseidon_host_sum_of_differences.restype = None
     return api

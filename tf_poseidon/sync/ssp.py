@@ -56,17 +56,19 @@ class _DeltaExchange:
     Per step and bucket, on TF's threads: ``share`` (the enqueue's payload) forms this rank's
     share Δ/P from the variables after and before the update; ``refresh`` (the collect) decides
     whether step t must apply late updates — only when step t−s's are not applied yet — and if
-    so waits for those, takes every other step's already completed too, and prepares
+    so waits for those and takes every other step's already completed too; ``refreshed_values``
+    then returns the variables' new values
 
-        Σ_τ (R(τ) − P·Δ_p(τ)/P)     over the steps τ taken,
+        W + Σ_τ (R(τ) − P·Δ_p(τ)/P)     over the steps τ taken,
 
     with R(τ) the all-reduced shares: what turns the own update, applied in full by the
-    optimizer, into everyone's average. ``take_correction`` hands it over for the
-    ``assign_add``. Applying late updates in batches of about s steps, as an SSP worker
-    refreshes its cache only when it is too stale, makes one pass over the parameters per
-    batch instead of one per step. Each step's share stays in place while in flight (the sum is
-    written into a separate buffer, ``Collective.sum_into``), and both go back to a pool once
-    applied. ``drain`` runs eagerly; a lock guards the bookkeeping.
+    optimizer, into everyone's average. Applying late updates in batches of about s steps, as
+    an SSP worker refreshes its cache only when it is too stale, makes one pass over the
+    parameters per batch instead of one per step, and the new values are assigned, not added
+    (TensorFlow adopts the aligned arrays as the variables' buffers). Each step's share stays in
+    place while in flight (the sum is written into a separate buffer, ``Collective.sum_into``),
+    and both go back to a pool once applied. ``drain`` runs eagerly; a lock guards the
+    bookkeeping.
     """
 
     def __init__(self, group_name: str, summing, plan, variables, staleness: int,
@@ -84,7 +86,7 @@ class _DeltaExchange:
         self._own = [collections.deque() for _ in plan]   # own shares in flight, oldest first
         self._steps = [0] * len(plan)                     # refresh() calls = current step
         self._applied = [0] * len(plan)                   # instances applied
-        self._due: list[np.ndarray | None] = [None] * len(plan)  # prepared, not yet taken
+        self._due: list[list] = [[] for _ in plan]        # (result, own) taken, not applied
         self._pool: dict[tuple[int, np.dtype], list[np.ndarray]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
@@ -128,61 +130,63 @@ class _DeltaExchange:
             self.stats.record_lateness(step - instance)
         return result, own
 
-    def _late_updates(self, completed: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Σ (result − P·own) over ``completed`` in a new aligned array (TensorFlow adopts
-        it); their buffers go back to the pool."""
-        results, owns = zip(*completed)
-        out = graph_ops.aligned_empty(results[0].size, results[0].dtype)
-        host_kernels.sum_of_differences(results, owns, self.num_replicas, out)
-        self._release(*results, *owns)
-        return out
-
     def refresh(self, index: int) -> np.ndarray:
         """Step t of bucket ``index``: if step t−s's late updates are not applied yet, waits
-        for them, takes those of every later step already completed, prepares their sum for
-        ``take_correction`` and returns ``[True]``; else ``[False]``."""
+        for them, takes those of every later step already completed (for
+        ``refreshed_values``) and returns ``[True]``; else ``[False]``."""
         with self._lock:
             step = self._steps[index]
             self._steps[index] += 1
         if self._applied[index] > step - self.staleness:
             return np.array([False])
-        completed = []
         while self._applied[index] <= step - self.staleness:
             start = time.perf_counter()
             result = self.group.wait_result(index)
             self.stats.record_blocked(time.perf_counter() - start)
-            completed.append(self._take(index, result, step))
+            self._due[index].append(self._take(index, result, step))
         while self._applied[index] <= step:
             result = self.group.poll_result(index)
             if result is None:
                 break
-            completed.append(self._take(index, result, step))
-        self._due[index] = self._late_updates(completed)
+            self._due[index].append(self._take(index, result, step))
         return np.array([True])
 
-    def take_correction(self, index: int) -> list[np.ndarray]:
-        """What ``refresh`` prepared for bucket ``index``, cut into its members' pieces."""
-        flat, self._due[index] = self._due[index], None
-        bounds = np.cumsum([0] + list(self.plan[index].sizes))
-        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    def refreshed_values(self, index: int, *values: np.ndarray) -> list[np.ndarray]:
+        """Bucket ``index``'s members' ``values`` plus the late updates ``refresh`` took, as new
+        aligned arrays of the values' dtypes; the taken buffers go back to the pool."""
+        due, self._due[index] = self._due[index], []
+        results, owns = zip(*due)
+        refreshed, offset = [], 0
+        for value, size in zip(values, self.plan[index].sizes):
+            part = slice(offset, offset + size)
+            out = graph_ops.aligned_empty(size, value.dtype)
+            host_kernels.sum_of_differences([r[part] for r in results], [o[part] for o in owns],
+                                            self.num_replicas, out, value.reshape(-1))
+            refreshed.append(out)
+            offset += size
+        self._release(*results, *owns)
+        return refreshed
 
     def drain(self) -> None:
         """Eagerly: waits for every pending instance and adds its late updates."""
         for bucket in self.plan:
-            completed = [self._take(bucket.index, self.group.wait_result(bucket.index),
-                                    self._steps[bucket.index])
-                         for _ in range(len(self._own[bucket.index]))]
-            if completed:
-                self._due[bucket.index] = self._late_updates(completed)
-                add_pieces(self.variables, bucket.members, self.take_correction(bucket.index))
+            index = bucket.index
+            self._due[index] += [self._take(index, self.group.wait_result(index),
+                                            self._steps[index])
+                                 for _ in range(len(self._own[index]))]
+            if self._due[index]:
+                assign_refreshed(self, bucket, self.variables)
 
 
-def add_pieces(variables, members: Sequence[int], pieces) -> None:
-    """``variables[m] += pieces[i]`` (reshaped, cast to the variable's dtype) for the i-th
-    member m."""
-    for position, piece in zip(members, pieces):
-        variable = variables[position]
-        variable.assign_add(tf.reshape(tf.cast(piece, variable.dtype), variable.shape))
+def assign_refreshed(exchange: _DeltaExchange, bucket, variables) -> None:
+    """Assigns ``exchange.refreshed_values`` to bucket's members (a graph op, or eagerly)."""
+    members = [variables[i] for i in bucket.members]
+    values = graph_ops.numpy_outputs(
+        functools.partial(exchange.refreshed_values, bucket.index),
+        [tf.identity(v) for v in members], [tf.as_dtype(v.dtype) for v in members],
+        f"tp_refreshed_{exchange.group.name}_{bucket.index}")
+    for variable, value in zip(members, values):
+        variable.assign(tf.reshape(value, variable.shape))
 
 
 class SSPStats:
@@ -230,7 +234,7 @@ class SSPSynchronizer(Synchronizer):
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
         """Posts the all-reduce of this rank's Δ/P; when step t−s's late updates are due,
-        adds them (see _DeltaExchange)."""
+        applies them (see _DeltaExchange)."""
         before, self._before = self._before, None
         if before is None or len(before) != len(variables):
             raise RuntimeError("tf_poseidon SSP: the optimizer update was not preceded by "
@@ -245,16 +249,8 @@ class SSPSynchronizer(Synchronizer):
         for b in exchange.plan:
             [due] = graph_ops.collect(exchange.group, b.index, tokens, np.bool_, [1],
                                       self.sequencer, exchange.refresh)
-            tf.cond(due[0], functools.partial(self._apply_due, exchange, b, variables),
+            tf.cond(due[0], functools.partial(assign_refreshed, exchange, b, variables),
                     lambda: None)
-
-    @staticmethod
-    def _apply_due(exchange: _DeltaExchange, bucket, variables) -> None:
-        pieces = graph_ops.numpy_outputs(
-            functools.partial(exchange.take_correction, bucket.index), [],
-            [tf.as_dtype(bucket.payload_dtype)] * len(bucket.members),
-            f"tp_take_{exchange.group.name}_{bucket.index}")
-        add_pieces(variables, bucket.members, pieces)
 
     def _exchange_for(self, variables) -> _DeltaExchange:
         # One exchange per set of variables, kept across retraces (a short last batch retraces
