@@ -151,8 +151,9 @@ def test_synchronous_form_with_a_16_bit_elastic_all_reduce(tmp_path):
 # -- the asynchronous form ---------------------------------------------------------------------
 
 def test_center_protocol_in_many_chunks_with_interleaved_workers():
-    # Pure protocol (easgd_center.py, no TensorFlow): 64-byte chunks, float32 and float64, 3 ranks
-    # exchanging at once, a group registered on rank 0 after its first exchange was sent.
+    # Pure protocol (easgd_center.py, no TensorFlow ops): 64-byte chunks, float32, float64 and
+    # bfloat16, 3 ranks exchanging at once, groups registered on rank 0 after their first
+    # exchange was sent.
     result, _ = run_job(3, "easgd_center_check.py", timeout=120, env={"TF_POSEIDON_TIMEOUT": "30"})
     output = check(result)
     for rank in range(3):

@@ -1,25 +1,30 @@
-"""Worker for tests/test_easgd.py: the async EASGD center protocol alone (no TensorFlow), P ≥ 2.
+"""Worker for tests/test_easgd.py: the async EASGD center protocol alone (no TensorFlow ops),
+P ≥ 2.
 
     tfposeidon-run -np 3 python tests/workers/easgd_center_check.py
 
-Chunks are made tiny (64 bytes), so vectors travel in many chunks (float32 and float64, a
-length that is not a multiple of the chunk). Group 0: every rank ≠ 0 exchanges with the holder
-on rank 0 while rank 0 exchanges locally (they interleave); the center only ever moves by the
-d's it hands out, so c_final = c_0 + Σ d over all exchanges, which rank 0 checks. Group 1:
-only rank 1 exchanges, so it checks every reply exactly (d = α(x − c), c ← c + d); rank 0
-registers it only after rank 1 has sent its first exchange for it (which waits, unmatched).
+Chunks are made tiny (64 bytes), so vectors travel in many chunks (float32, float64 and
+bfloat16 — which mpi4py cannot buffer itself —, lengths that are not multiples of the chunk).
+Group 0: every rank ≠ 0 exchanges with the holder on rank 0 while rank 0 exchanges locally
+(they interleave); the center only ever moves by the d's it hands out, so c_final = c_0 + Σ d
+over all exchanges, which rank 0 checks. Groups 1 (float64) and 2 (bfloat16): only rank 1
+exchanges, so it checks every reply exactly (d = α(x − c), c ← c + d); rank 0 registers them
+only after rank 1 has sent its first exchange for them (which waits, unmatched).
 Prints "CENTER OK rank <r>" on every rank that passed.
 """
 
 import time
 
 import numpy as np
+import tensorflow as tf
 
 from tf_poseidon import world
 from tf_poseidon.sync import easgd_center
 
 ALPHA = 0.25
-SIZES = {0: (1000, np.float32), 1: (37, np.float64)}
+BFLOAT16 = tf.bfloat16.as_numpy_dtype
+SIZES = {0: (1000, np.float32), 1: (37, np.float64), 2: (45, BFLOAT16)}
+EXACT = (1, 2)  # the groups only rank 1 exchanges
 EXCHANGES = 5
 
 
@@ -46,23 +51,24 @@ def main():
         for k in range(EXCHANGES):
             moved[0] += holder.exchange(0, x_for(0, 0, k))
         time.sleep(0.5)        # ... while group 1 does not exist yet here
-        holder.register(1, initial(1))
+        for group in EXACT:
+            holder.register(group, initial(group))
     else:
         client = easgd_center.CenterClient(comm)
         counters = easgd_center.ExchangeCounters()
         engine_comm.Barrier()
-        center_1 = initial(1)  # group 1: only rank 1 exchanges, so it knows the center
+        centers = {g: initial(g) for g in EXACT}  # only rank 1 exchanges: it knows the center
         for k in range(EXCHANGES):
-            for group in (0, 1) if rank == 1 else (0,):
+            for group in (0, *EXACT) if rank == 1 else (0,):
                 x = x_for(rank, group, k)
                 d = client.exchange(group, x, counters)
                 assert d.dtype == x.dtype and d.shape == x.shape
-                if group == 1:  # d = α(x − c), c ← c + d, in the center's dtype, exactly
-                    expected = (x - center_1) * center_1.dtype.type(ALPHA)
+                if group in EXACT:  # d = α(x − c), c ← c + d, in the center's dtype, exactly
+                    expected = (x - centers[group]) * x.dtype.type(ALPHA)
                     np.testing.assert_array_equal(d, expected)
-                    center_1 = center_1 + expected
-                moved[group] += d
-        assert counters.exchanges == (2 if rank == 1 else 1) * EXCHANGES
+                    centers[group] = centers[group] + expected
+                moved[group] += d.astype(np.float64)
+        assert counters.exchanges == (1 + len(EXACT) if rank == 1 else 1) * EXCHANGES
     # Buffer (uppercase) calls only while exchanges may be in flight: mpi4py's pickle-based
     # collectives (comm.reduce, ...) keep the GIL while they wait, which would stop rank 0's
     # holder thread and so the very exchanges they wait for.
@@ -76,8 +82,11 @@ def main():
             expected = initial(g).astype(np.float64) + totals[g]
             got = holder.snapshot(g)
             assert got.dtype == SIZES[g][1]
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
-        assert holder.served.exchanges == EXCHANGES * size  # group 0 by P−1 ranks, 1 by one
+            # bfloat16 rounds the center at each of its EXCHANGES additions (ulp ≤ 2^-3 here).
+            atol = EXCHANGES * 2.0 ** -3 if got.dtype == BFLOAT16 else 1e-4
+            np.testing.assert_allclose(got.astype(np.float64), expected, rtol=1e-5, atol=atol)
+        # group 0 by P−1 ranks, the exact groups by rank 1
+        assert holder.served.exchanges == EXCHANGES * (size - 1 + len(EXACT))
         holder.close()
     engine_comm.Barrier()
     print(f"CENTER OK rank {rank}", flush=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from tf_poseidon import host_kernels
-from tf_poseidon.comm.collectives import Collective, _mpi
+from tf_poseidon.comm.collectives import Collective, _mpi, summing
 
 FP16_LIMIT = 65504.0 / 4  # headroom below fp16's largest value for the rounding of the sums
 
@@ -98,5 +98,4 @@ def compressed_allreduce(compression: str) -> Collective:
         moved = 2 * (size - 1) / size * payload_bytes / 2  # two phases, 16-bit elements
         return moved, moved
 
-    return Collective(f"allreduce_{compression}",
-                      lambda comm, payload: sum_into(comm, payload, payload), wire_bytes, sum_into)
+    return summing(f"allreduce_{compression}", sum_into, wire_bytes)

@@ -52,9 +52,14 @@ def _allreduce_sum_into(comm, payload: np.ndarray, out: np.ndarray) -> np.ndarra
     return out
 
 
-ALLREDUCE_SUM = Collective(
-    "allreduce_sum", lambda comm, payload: _allreduce_sum_into(comm, payload, payload),
-    _ring_allreduce_bytes, _allreduce_sum_into)
+def summing(name: str, sum_into: Callable[[Any, np.ndarray, np.ndarray], np.ndarray],
+            wire_bytes: Callable[[int, int], tuple[float, float]]) -> Collective:
+    """A Collective that sums through ``sum_into``: its ``run`` sums the payload in place."""
+    return Collective(name, lambda comm, payload: sum_into(comm, payload, payload), wire_bytes,
+                      sum_into)
+
+
+ALLREDUCE_SUM = summing("allreduce_sum", _allreduce_sum_into, _ring_allreduce_bytes)
 """Sums the 1-D payload over all ranks, in place, in its own dtype (ring: 2(P-1)/P·n each way)."""
 
 
@@ -82,7 +87,7 @@ class YieldingComm:
     """A communicator whose collectives wait by polling with short sleeps, not MPI's spinning.
 
     Wraps an mpi4py communicator; ``Allreduce``, ``Alltoall`` and ``Allgather`` (the calls the
-    summing collectives make) post the non-blocking form and poll it, sleeping 20 µs at first
+    summing collectives make) and ``Sendrecv`` post the non-blocking form and poll it, sleeping 20 µs at first
     and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %; where
     TensorFlow's compute needs every core, a collective that nobody waits for yet (SSP's
     delta exchange) then takes a core from the step for as long as the slowest peer needs
@@ -111,8 +116,12 @@ class YieldingComm:
     def Allgather(self, sendbuf, recvbuf) -> None:
         self._wait(self._comm.Iallgather(sendbuf, recvbuf))
 
-    def _wait(self, request) -> None:
+    def Sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0) -> None:
+        self._wait(self._comm.Irecv(recvbuf, source=source, tag=tag),
+                   self._comm.Isend(sendbuf, dest=dest, tag=tag))
+
+    def _wait(self, *requests) -> None:
         sleep = self.FIRST_SLEEP_S
-        while not request.Test():
+        while not _mpi().Request.Testall(list(requests)):
             time.sleep(sleep)
             sleep = min(2 * sleep, self.LONGEST_SLEEP_S)

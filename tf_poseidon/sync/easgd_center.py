@@ -48,6 +48,7 @@ from typing import Callable
 
 import numpy as np
 
+from tf_poseidon.comm.collectives import as_mpi_buffer
 from tf_poseidon.comm.engine import CollectiveTimeoutError, collective_timeout_s
 
 EXCHANGE_TAG = 7100
@@ -214,8 +215,9 @@ class CenterHolder:
                              "must train the same model.")
         x = np.empty(template.size, template.dtype)
         tag = EXCHANGE_TAG + 2 * group
-        receives = [message.Irecv(x[bounds[0][0]:bounds[0][1]])] + [
-            self._comm.Irecv(x[a:b], source=source, tag=tag) for a, b in bounds[1:]]
+        wire = as_mpi_buffer(x)
+        receives = [message.Irecv(wire[bounds[0][0]:bounds[0][1]])] + [
+            self._comm.Irecv(wire[a:b], source=source, tag=tag) for a, b in bounds[1:]]
         sends, replies = [], []
         timeout = collective_timeout_s()
         for (a, b), receive in zip(bounds, receives):
@@ -224,7 +226,8 @@ class CenterHolder:
                 return
             d = self.exchange(group, x[a:b], a)
             replies.append(d)  # alive until its send completes
-            sends.append(self._comm.Isend(d, dest=source, tag=REPLY_TAG + 2 * group))
+            sends.append(self._comm.Isend(as_mpi_buffer(d), dest=source,
+                                          tag=REPLY_TAG + 2 * group))
         _poll(lambda: _mpi().Request.Testall(sends), timeout,
               f"the EASGD reply to rank {source}", self._stop.is_set)
         self.served.exchanges += 1
@@ -243,10 +246,11 @@ class CenterClient:
         reply = np.empty_like(x)
         start = time.perf_counter()
         bounds = chunk_bounds(x.size, x.dtype.itemsize)
-        requests = [self._comm.Irecv(reply[a:b], source=HOLDER_RANK, tag=REPLY_TAG + 2 * group)
-                    for a, b in bounds]
-        requests += [self._comm.Isend(x[a:b], dest=HOLDER_RANK, tag=EXCHANGE_TAG + 2 * group)
-                     for a, b in bounds]
+        reply_wire, x_wire = as_mpi_buffer(reply), as_mpi_buffer(x)
+        requests = [self._comm.Irecv(reply_wire[a:b], source=HOLDER_RANK,
+                                     tag=REPLY_TAG + 2 * group) for a, b in bounds]
+        requests += [self._comm.Isend(x_wire[a:b], dest=HOLDER_RANK,
+                                      tag=EXCHANGE_TAG + 2 * group) for a, b in bounds]
         _poll(lambda: _mpi().Request.Testall(requests), collective_timeout_s(),
               "an exchange with the EASGD center holder (rank 0)")
         counters.exchanges += 1

@@ -9,11 +9,14 @@ averaged over ranks: the weights every rank converges to are
 At step t, rank p
 
 1. lets its optimizer update the variables from its local gradient (so its optimizer state —
-   momentum, Adam moments — follows its own gradients, as a worker's does in SSP);
-2. applies its own share Δ_p(t)/P at once, and posts the all-reduce of Δ_p(t)/P without waiting;
-3. applies the other ranks' shares of every earlier step whose all-reduce has completed, and
-   *waits* for step t−s's (so the others' updates of step t are applied no later than its step
-   t+s, and a rank more than s steps ahead of the slowest blocks).
+   momentum, Adam moments — follows its own gradients, as a worker's does in SSP), and keeps
+   that update Δ_p(t) in full for now (an SSP worker reads its own writes);
+2. posts the all-reduce of Δ_p(t)/P without waiting;
+3. if step t−s's all-reduce is not applied yet, *waits* for it and applies it with every later
+   one already completed, each as R(τ) − Δ_p(τ): the average less the own update it holds (so
+   the others' updates of step t are applied no later than its step t+s, and a rank more than
+   s steps ahead of the slowest blocks). Like an SSP worker's cache, refreshed only when too
+   stale, late updates come in batches of about s steps: one pass over the parameters each.
 
 Every update is applied exactly once on every rank, so after a drain (all pending all-reduces
 completed and applied: end of ``fit``, before ``evaluate``/``predict``/saving, and
@@ -41,6 +44,9 @@ from tf_poseidon import host_kernels
 from tf_poseidon.comm import collectives, engine as engine_lib, graph_ops
 from tf_poseidon.sync.base import Synchronizer, variable_names
 from tf_poseidon.sync.bsp import BSPSynchronizer
+
+
+PAIRWISE_TAG = 7200  # the two-rank exchange's messages on the engine's communicator
 
 
 def ssp_synchronizer(engine, sequencer, config, num_replicas) -> Synchronizer:
@@ -83,6 +89,11 @@ class _DeltaExchange:
             collectives.Collective(f"{summing.name}_yielding", self._sum, summing.wire_bytes),
             graph_ops.bucket_layers(plan, variable_names(variables)))
         self._summing = summing
+        # Two ranks, uncompressed: the result is the peer's share alone (an exchange, which
+        # Open MPI completes in one single-copy transfer, where its non-blocking all-reduce
+        # takes rounds of polling and a summing pass), and each own share is subtracted once.
+        self._pairwise = num_replicas == 2 and summing is collectives.ALLREDUCE_SUM
+        self._own_scale = 1 if self._pairwise else num_replicas
         self._own = [collections.deque() for _ in plan]   # own shares in flight, oldest first
         self._steps = [0] * len(plan)                     # refresh() calls = current step
         self._applied = [0] * len(plan)                   # instances applied
@@ -101,10 +112,14 @@ class _DeltaExchange:
                 self._pool[buffer.size, buffer.dtype].append(buffer)
 
     def _sum(self, comm, share: np.ndarray) -> np.ndarray:
-        # Engine thread: the sum goes to a buffer of its own; the share stays for the
+        # Engine thread: the result goes to a buffer of its own; the share stays for the
         # correction. Nothing waits for it before step t+s, so it waits without spinning a core.
-        return self._summing.sum_into(collectives.YieldingComm(comm), share,
-                                      self._buffer(share.size, share.dtype))
+        comm, out = collectives.YieldingComm(comm), self._buffer(share.size, share.dtype)
+        if self._pairwise:
+            peer = 1 - comm.Get_rank()
+            comm.Sendrecv(share, dest=peer, recvbuf=out, source=peer, tag=PAIRWISE_TAG)
+            return out
+        return self._summing.sum_into(comm, share, out)
 
     def share(self, index: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """Bucket ``index``'s Δ/P from the members' values after, then before, the update."""
@@ -161,7 +176,7 @@ class _DeltaExchange:
             part = slice(offset, offset + size)
             out = graph_ops.aligned_empty(size, value.dtype)
             host_kernels.sum_of_differences([r[part] for r in results], [o[part] for o in owns],
-                                            self.num_replicas, out, value.reshape(-1))
+                                            self._own_scale, out, value.reshape(-1))
             refreshed.append(out)
             offset += size
         self._release(*results, *owns)
