@@ -1,10 +1,11 @@
 """Benchmark: SSP (staleness 3) vs sync, without a straggler and with one rank slowed.
 
     python -m benchmarks.bench_ssp [--ranks 2 3] [--repeats 3] [--delay 0.1]
-                                   [--stragglers none moving fixed]
+                                   [--stragglers none moving fixed] [--width 1024] [--batch 128]
 
-Runs benchmarks/workers/ssp_worker.py with tfposeidon-run on this machine (loopback): sync and
-mode="ssp", staleness=3, under each straggler condition: ``none``; ``moving`` — on one step in
+Runs benchmarks/workers/ssp_worker.py (Keras fit of a 3×Dense(--width) MLP, --batch rows per
+rank and step) with tfposeidon-run on this machine (loopback): sync and mode="ssp",
+staleness=3, under each straggler condition: ``none``; ``moving`` — on one step in
 five one rank sleeps --delay seconds, rank 0 the first time, then rank 1, ...; ``fixed`` — rank
 0 every time. The slowdown is injected by the benchmark's own Keras callback. Prints samples/s
 (median of --repeats) and SSP / sync as the median of the ratios of the --repeats pairs (the
@@ -26,7 +27,6 @@ import subprocess
 import sys
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "ssp_worker.py")
-BATCH_PER_RANK = 128  # the worker's default --batch
 MODES = {"sync": ["--mode", "sync"], "ssp3": ["--mode", "ssp", "--staleness", "3"]}
 
 
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--delay", type=float, default=0.1)
     parser.add_argument("--stragglers", nargs="+", choices=["none", "moving", "fixed"],
                         default=["none", "moving", "fixed"])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=128, help="rows per rank and step")
     args = parser.parse_args(argv)
     print("| ranks | straggler | sync (samples/s) | SSP s=3 (samples/s) | SSP / sync "
           "(pairs: min–max) | model |")
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     for ranks in args.ranks:
         step_s = None  # sync's step time without a straggler, for the model
         for straggler in args.stragglers:
-            extra = ["--straggler", straggler, "--delay", str(args.delay)]
+            extra = ["--straggler", straggler, "--delay", str(args.delay),
+                     "--width", str(args.width), "--batch", str(args.batch)]
             runs = {name: [] for name in MODES}
             for _ in range(args.repeats):
                 for name, mode in MODES.items():
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
             sync, ssp = (statistics.median(runs[name]) for name in MODES)
             ratios = [b / a for a, b in zip(runs["sync"], runs["ssp3"])]
             if straggler == "none":
-                step_s = ranks * BATCH_PER_RANK / sync
+                step_s = ranks * args.batch / sync
             model = "–"
             if straggler == "moving" and step_s is not None:
                 model = f"{(5 * step_s + args.delay) / (5 * step_s + args.delay / ranks):.2f}"
