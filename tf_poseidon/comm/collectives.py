@@ -87,12 +87,12 @@ class YieldingComm:
     """A communicator whose collectives wait by polling with short sleeps, not MPI's spinning.
 
     Wraps an mpi4py communicator; ``Allreduce``, ``Alltoall`` and ``Allgather`` (the calls the
-    summing collectives make) and ``Sendrecv`` post the non-blocking form and poll it, sleeping 20 µs at first
-    and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %; where
-    TensorFlow's compute needs every core, a collective that nobody waits for yet (SSP's
-    delta exchange) then takes a core from the step for as long as the slowest peer needs
-    to join. Costs up to 0.5 ms of latency per call: not for collectives a step waits on.
-    Blocking, like the calls it replaces; engine thread only.
+    summing collectives make) and ``Sendrecv`` post the non-blocking form and poll it,
+    sleeping 20 µs at first and up to 0.5 ms between polls. Open MPI's blocking waits spin a
+    core at 100 %; where TensorFlow's compute needs every core, a collective that nobody waits
+    for yet (SSP's delta exchange) then takes a core from the step for as long as the slowest
+    peer needs to join. Costs up to 0.5 ms of latency per call: not for collectives a step
+    waits on. Blocking, like the calls it replaces; engine thread only.
     """
 
     FIRST_SLEEP_S = 2e-5

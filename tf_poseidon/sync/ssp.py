@@ -70,13 +70,13 @@ class _DeltaExchange:
 
     with R(τ) the all-reduced shares: what turns the own update, applied in full by the
     optimizer, into everyone's average. (At two ranks without compression R(τ) is the peer's
-    share alone, and the own share counts once: W + Σ_τ (R(τ) − Δ_p(τ)/P).) Applying late updates in batches of about s steps, as
-    an SSP worker refreshes its cache only when it is too stale, makes one pass over the
-    parameters per batch instead of one per step, and the new values are assigned, not added
-    (TensorFlow adopts the aligned arrays as the variables' buffers). Each step's share stays in
-    place while in flight (the sum is written into a separate buffer, ``Collective.sum_into``),
-    and both go back to a pool once applied. ``drain`` runs eagerly; a lock guards the
-    bookkeeping.
+    share alone, and the own share counts once: W + Σ_τ (R(τ) − Δ_p(τ)/P).) Applying late
+    updates in batches of about s steps, as an SSP worker refreshes its cache only when it is
+    too stale, makes one pass over the parameters per batch instead of one per step, and the
+    new values are assigned, not added (TensorFlow adopts the aligned arrays as the variables'
+    buffers). Each step's share stays in place while in flight (the result is written into a
+    separate buffer), and both go back to a pool once applied. ``drain`` runs eagerly; a lock
+    guards the bookkeeping.
     """
 
     def __init__(self, group_name: str, summing, plan, variables, staleness: int,
