@@ -114,8 +114,9 @@ class _DeltaExchange:
                 self._pool[buffer.size, buffer.dtype].append(buffer)
 
     def _sum(self, comm, share: np.ndarray) -> np.ndarray:
-        # Engine thread: the result goes to a buffer of its own; the share stays for the
-        # correction. Nothing waits for it before step t+s, so it waits without spinning a core.
+        # Engine thread: the result goes to a buffer of its own; the share stays for
+        # refreshed_values. Nothing waits for it before step t+s, so it waits without
+        # spinning a core.
         comm, out = collectives.YieldingComm(comm), self._buffer(share.size, share.dtype)
         if self._pairwise:
             peer = 1 - comm.Get_rank()
