@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_poseidon.comm.buckets import plan_buckets
+from tf_poseidon.comm.buckets import member_slices, plan_buckets
 
 
 def tensors(*specs):
@@ -45,3 +45,10 @@ def test_unknown_shapes_and_strings_are_refused():
         plan_unknown.get_concrete_function()
     with pytest.raises(TypeError, match="string"):
         plan_buckets([tf.constant(["a"])])
+
+
+def test_member_slices_cut_the_payload_in_member_order():
+    payload = np.arange(10)
+    parts = member_slices((3, 0, 7))
+    assert [payload[p].tolist() for p in parts] == [[0, 1, 2], [], list(range(3, 10))]
+    assert member_slices(()) == []

@@ -42,6 +42,12 @@ class Bucket:
         return self.num_elements * self.payload_dtype.itemsize
 
 
+def member_slices(sizes: Sequence[int]) -> list[slice]:
+    """Where each member of ``sizes`` elements lies in the flat payload, in member order."""
+    bounds = np.cumsum([0, *sizes])
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def payload_dtype(dtype: tf.DType) -> np.dtype:
     """The dtype a tensor of ``dtype`` is summed in. Raises TypeError for non-numeric dtypes."""
     if dtype.is_floating:

@@ -118,13 +118,11 @@ def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.T
     elements (outputs of the op itself: no split copies it again), or, with ``sizes=None``,
     the whole result of any length as one piece."""
     wait = wait or group.wait_result
-    bounds = np.cumsum([0] + list(sizes)) if sizes is not None else None
+    parts = buckets_lib.member_slices(sizes) if sizes is not None else [slice(None)]
 
     def result(*_inputs) -> list[np.ndarray]:
         flat = wait(index)
-        if bounds is None:
-            return [flat]
-        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return [flat[part] for part in parts]
 
     def make(extra):
         count = 1 if sizes is None else len(sizes)

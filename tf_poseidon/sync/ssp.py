@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon import host_kernels
-from tf_poseidon.comm import collectives, engine as engine_lib, graph_ops
+from tf_poseidon.comm import buckets as buckets_lib, collectives, engine as engine_lib, graph_ops
 from tf_poseidon.sync.base import Synchronizer, variable_names
 from tf_poseidon.sync.bsp import BSPSynchronizer
 
@@ -129,11 +129,9 @@ class _DeltaExchange:
         bucket = self.plan[index]
         count = len(bucket.members)
         own = self._buffer(bucket.num_elements, bucket.payload_dtype)
-        offset = 0
-        for after, before, size in zip(arrays[:count], arrays[count:], bucket.sizes):
-            host_kernels.scaled_difference(after, before, own[offset:offset + size],
-                                           1.0 / self.num_replicas)
-            offset += size
+        for after, before, part in zip(arrays[:count], arrays[count:],
+                                       buckets_lib.member_slices(bucket.sizes)):
+            host_kernels.scaled_difference(after, before, own[part], 1.0 / self.num_replicas)
         with self._lock:
             self._own[index].append(own)
         return own
@@ -174,14 +172,12 @@ class _DeltaExchange:
         aligned arrays of the values' dtypes; the taken buffers go back to the pool."""
         due, self._due[index] = self._due[index], []
         results, owns = zip(*due)
-        refreshed, offset = [], 0
-        for value, size in zip(values, self.plan[index].sizes):
-            part = slice(offset, offset + size)
-            out = graph_ops.aligned_empty(size, value.dtype)
+        refreshed = []
+        for value, part in zip(values, buckets_lib.member_slices(self.plan[index].sizes)):
+            out = graph_ops.aligned_empty(value.size, value.dtype)
             host_kernels.sum_of_differences([r[part] for r in results], [o[part] for o in owns],
                                             self._own_scale, out, value.reshape(-1))
             refreshed.append(out)
-            offset += size
         self._release(*results, *owns)
         return refreshed
 
