@@ -23,7 +23,7 @@ from multirank import check, run_job
 from tf_poseidon import world
 from tf_poseidon.comm.engine import CollectiveTimeoutError
 from tf_poseidon.config import StrategyConfig
-from tf_poseidon.sync import easgd_center
+from tf_poseidon.algorithms import easgd_center
 
 TOLERANCE = 1e-4
 
@@ -65,7 +65,7 @@ def test_a_wait_for_the_center_holder_times_out_with_a_message():
 def replay_sync(x, y, workers, center, batch, steps, tau, alpha, lr, snapshot_step=0,
                 first_step=1):
     """Local SGD on Dense(1)+MSE per rank, elastic move every τ steps (counting from
-    ``first_step``, as the synchronizer's counter does across fits); float64."""
+    ``first_step``, as the algorithm's counter does across fits); float64."""
     workers = [w.astype(np.float64).copy() for w in workers]
     center = center.astype(np.float64).copy()
     num_ranks, snapshot = len(workers), None

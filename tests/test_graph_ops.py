@@ -1,20 +1,20 @@
-"""graph_ops.aligned_empty: the arrays that numpy_function ops hand to TensorFlow, and what
+"""buckets.aligned_empty: the arrays that numpy_function ops hand to TensorFlow, and what
 TensorFlow does with them without copying."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_poseidon.comm import graph_ops
+from tf_poseidon.comm import buckets
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.float16])
 @pytest.mark.parametrize("size", [0, 1, 17, 1 << 20])
 def test_aligned_empty_starts_on_a_64_byte_boundary(dtype, size):
-    array = graph_ops.aligned_empty(size, dtype)
+    array = buckets.aligned_empty(size, dtype)
     assert array.shape == (size,) and array.dtype == dtype
     if size:  # numpy gives an empty view an address of its own; nothing to copy there
-        assert array.ctypes.data % graph_ops.TENSOR_ALIGNMENT == 0
+        assert array.ctypes.data % buckets.TENSOR_ALIGNMENT == 0
     assert array.flags.c_contiguous and array.flags.writeable
 
 
@@ -31,9 +31,9 @@ def _address_seen_by_tensorflow(array: np.ndarray) -> int:
 def test_tensorflow_adopts_an_aligned_output_without_copying_it():
     # Why payloads and results are allocated aligned: an unaligned one is copied (one more
     # pass over every bucket per step). If TensorFlow changes this, the allocation can go.
-    aligned = graph_ops.aligned_empty(1 << 20, np.float32)
+    aligned = buckets.aligned_empty(1 << 20, np.float32)
     assert _address_seen_by_tensorflow(aligned) == aligned.ctypes.data
-    unaligned = graph_ops.aligned_empty((1 << 20) + 1, np.float32)[1:]
+    unaligned = buckets.aligned_empty((1 << 20) + 1, np.float32)[1:]
     assert _address_seen_by_tensorflow(unaligned) != unaligned.ctypes.data
 
 
@@ -41,7 +41,7 @@ def test_a_variable_assigned_an_adopted_output_takes_its_buffer():
     # Why SSP assigns its refreshed values instead of adding the late updates: the assign of a
     # reshaped, adopted numpy_function output makes it the variable's buffer (no pass over it).
     variable = tf.Variable(tf.zeros([512, 256]))
-    refreshed = graph_ops.aligned_empty(512 * 256, np.float32)
+    refreshed = buckets.aligned_empty(512 * 256, np.float32)
     refreshed[:] = 3.0
 
     @tf.function(autograph=False)

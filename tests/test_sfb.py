@@ -221,7 +221,7 @@ def test_bandwidth_gbps_is_validated():
 
 
 class _ThreadWorld:
-    """P ranks as threads, with the few MPI calls SfbWire makes."""
+    """P ranks as threads, with the few MPI calls SfbProtocol.run makes."""
 
     def __init__(self, size):
         self.size = size
@@ -256,12 +256,14 @@ class _ThreadWorld:
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
-    from tf_poseidon.comm import sfb
-
-    class Group:
-        bucket_layers = [()]
+    from tf_poseidon.comm import codecs
+    from tf_poseidon.comm.buckets import Bucket
+    from tf_poseidon.comm.protocol import BucketCall
+    from tf_poseidon.sfb import protocol as sfb_protocol
 
     layers = [("a/kernel", 3, 2), ("b/kernel", 2, 4)]
+    items = tuple(sfb_protocol.item(name, m, n, 0) for name, m, n in layers)
+    bucket = Bucket(0, sfb_protocol.KIND, (0, 1), items, np.dtype(np.float32))
     rows = [[2, 2], [0, 0], [3, 3]]  # rank 1 has no rows (an uneven last batch)
     rng = np.random.default_rng(0)
     factors = [[(rng.normal(size=(k, m)) * 1e5, rng.normal(size=(k, n)) * 1e-3)
@@ -271,8 +273,8 @@ def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
     def rank_main(rank):
         payload = np.concatenate([np.array(rows[rank], np.float32)] + [
             np.concatenate([u.ravel(), v.ravel()]) for u, v in factors[rank]]).astype(np.float32)
-        wire = sfb.SfbWire(Group(), 0, layers, compression)
-        results[rank] = wire.run(world.comm(rank), payload)
+        wire = sfb_protocol.SfbProtocol(codecs.get(compression))
+        results[rank] = wire.run(world.comm(rank), BucketCall("g", 0, 0, bucket, payload)).value
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
     for t in threads:

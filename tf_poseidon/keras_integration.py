@@ -7,9 +7,9 @@ ten Keras functions; each wrapper acts only when the current strategy is a
 original unchanged:
 
 * the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
-  strategy's synchronizer, so modes and buckets apply to gradients only;
-* after the optimizer's update (``TFOptimizer._backend_update_step``) the mode's synchronizer
-  gets its turn (``after_update``: SSP's delta exchange, EASGD's elastic move);
+  strategy's algorithm, so algorithms and buckets apply to gradients only;
+* after the optimizer's update (``TFOptimizer._backend_update_step``) the algorithm gets its
+  turn (``after_update``: SSP's delta exchange, EASGD's elastic move);
 * gradient clipping (``BaseOptimizer._clip_gradients``: ``clipnorm``, ``global_clipnorm``,
   ``clipvalue``) moves from before that all-reduce, where Keras puts it and where it would see
   each rank's local gradient, to after it, so it clips the reduced gradient as one process
@@ -18,7 +18,8 @@ original unchanged:
   ones: Keras checks the gradients *before* they are all-reduced, so a NaN on one rank would
   make that rank skip the step (and its all-reduce) while the others wait for it. The ranks'
   verdicts are combined (one tiny all-reduce), so all skip or all apply together;
-* ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (sync/batch_share.py):
+* ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (the replica context
+  carries the local batch size; algorithms/batch_share.py):
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
   only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
   keep the TensorFlow convention instead (``tf.nn.compute_average_loss(per_example_loss,
@@ -26,9 +27,9 @@ original unchanged:
 * ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
   variables, so logs, progress bars and ``History`` show the global values one process would
   show for the same global batch (true for every Keras metric whose state is a set of sums:
-  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Modes whose ranks run ahead
-  of each other (SSP, EASGD) reduce only at epoch ends, so their progress bars show rank 0's
-  own metrics during an epoch;
+  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
+  ahead of each other (SSP, EASGD: not ``lockstep``) reduce only at epoch ends, so their
+  progress bars show rank 0's own metrics during an epoch;
 * ``fit`` ends with ``strategy.drain()`` (SSP applies its pending updates) and ``evaluate`` /
   ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains; EASGD uses the
   center), so what users measure and get is the state every rank agrees on;
@@ -36,7 +37,7 @@ original unchanged:
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input.
 
-``install`` is idempotent and is called when tf_poseidon is imported.
+``install`` is idempotent; strategy.py calls it with PoseidonStrategy when it is imported.
 """
 
 from __future__ import annotations
@@ -47,20 +48,21 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
-from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
 
-_installed = False
+from tf_poseidon import data as data_lib
+
+_strategy_class: type | None = None  # PoseidonStrategy, once installed
 
 
 def _poseidon_extended(strategy=None):
     """``strategy``'s (default: the current strategy's) extended object if it is a
     PoseidonStrategy spanning several ranks, else None."""
-    from tf_poseidon.strategy import PoseidonStrategy
     strategy = strategy or tf.distribute.get_strategy()
-    if isinstance(strategy, PoseidonStrategy) and strategy.num_replicas_in_sync > 1:
+    if isinstance(strategy, _strategy_class) and strategy.num_replicas_in_sync > 1:
         return strategy.extended
     return None
 
@@ -114,7 +116,7 @@ def _check_finite(original):
         extended = _poseidon_extended()
         if extended is None or tf.distribute.get_replica_context() is None:
             return finite
-        if getattr(extended.synchronizer, "asynchronous", False):
+        if extended.config.algorithm.asynchronous:
             # Asynchronous EASGD: a rank applies only its own gradients and no collective sits
             # in the step, so it decides alone (a per-step all-reduce would make every rank
             # wait for the slowest).
@@ -129,7 +131,8 @@ def _train_step(original):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None:
             return original(self, data)
-        with extended.batch_share_weighting():
+        local_batch = data_lib.batch_size_of(data)
+        with tf.distribute.get_replica_context().weighting_by_batch_share(local_batch):
             return original(self, data)
     return wrapper
 
@@ -160,7 +163,7 @@ def _get_metrics_result(original):
         # rank alike, so both places reduce; the model's own strategy decides.
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None or (extended.in_replica_function()
-                                and not extended.synchronizer.lockstep):
+                                and not extended.config.algorithm.lockstep):
             return original(self)
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
@@ -180,22 +183,20 @@ def _get_metrics_result(original):
 
 def _reduce_per_replica(original):
     def wrapper(values, strategy, reduction):
-        from tf_poseidon.strategy import PoseidonStrategy, gather_along
-        if (isinstance(strategy, PoseidonStrategy) and reduction == "concat"
-                and strategy.num_replicas_in_sync > 1):
-            extended = strategy.extended
-            return tree.map_structure(
-                lambda v: gather_along(extended.engine, extended.sequencer, v, 0), values)
+        extended = _poseidon_extended(strategy)
+        if extended is not None and reduction == "concat":
+            return tree.map_structure(lambda v: extended.gather_along(v, 0), values)
         return original(values, strategy, reduction)
     return wrapper
 
 
-def install() -> None:
-    """Installs the wrappers described in the module docstring (once)."""
-    global _installed
-    if _installed:
+def install(strategy_class: type) -> None:
+    """Installs the wrappers described in the module docstring (once); they act for
+    ``strategy_class`` (PoseidonStrategy) with more than one rank."""
+    global _strategy_class
+    if _strategy_class is not None:
         return
-    _installed = True
+    _strategy_class = strategy_class
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
     _wrap(keras_tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
     _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)

@@ -11,9 +11,10 @@ Contract in brief (details on each method):
   process with an InputContext naming this rank.
 * ``run`` calls the function in a replica context on this process's device and returns this
   replica's results (plain tensors, not PerReplica: there is one local replica).
-* Gradients the Keras optimizer applies go through the mode's synchronizer (sync/); other
-  replica-context all-reduces and cross-replica ``reduce``/``gather`` are exact collectives
-  over all ranks. All of them run through the process's communication engine (comm/).
+* Gradients the Keras optimizer applies go through the strategy's algorithm (algorithms/);
+  other replica-context all-reduces and cross-replica ``reduce``/``gather`` are exact
+  collectives over all ranks. All of them run through the process's communication engine
+  (comm/).
 """
 
 from __future__ import annotations
@@ -32,18 +33,16 @@ from tf_poseidon import data as data_lib
 from tf_poseidon import initial_sync
 from tf_poseidon import keras_integration
 from tf_poseidon import world as world_lib
+from tf_poseidon.algorithms import Algorithm, AlgorithmContext, AlgorithmImpl
 from tf_poseidon.comm import buckets as buckets_lib
-from tf_poseidon.comm import collectives, graph_ops
+from tf_poseidon.comm import codecs, collectives, graph_ops
 from tf_poseidon.comm import stats as stats_lib
-from tf_poseidon.comm.engine import get_engine
+from tf_poseidon.comm.codecs import Codec
+from tf_poseidon.comm.engine import CollectiveGroup, get_engine
+from tf_poseidon.comm.protocol import AllReduce
 from tf_poseidon.config import StrategyConfig
-from tf_poseidon.sync.bsp import BSPSynchronizer
-from tf_poseidon.sync.easgd import EASGDSynchronizer
-from tf_poseidon.sync.ssp import ssp_synchronizer
 
-# mode -> synchronizer class (or factory); a new mode is one file in sync/ and one entry here.
-SYNCHRONIZERS = {"sync": BSPSynchronizer, "ssp": ssp_synchronizer,
-                 "easgd": EASGDSynchronizer}
+_EXACT_SUM = AllReduce(codecs.get("none"))
 
 
 class PoseidonStrategy(distribute_lib.Strategy):
@@ -58,16 +57,16 @@ class PoseidonStrategy(distribute_lib.Strategy):
     ```
 
     Args:
-      mode: "sync" (bulk synchronous: every rank applies the sum of all gradients each step),
-        "ssp" (stale synchronous parallel, bounded by ``staleness``) or "easgd" (elastic
-        averaging SGD with period ``tau`` and moving rate ``alpha``).
-      compression: wire format of gradients: "none" (float32), "fp16" or "bf16".
+      algorithm: how the ranks' work becomes the update every rank applies: a
+        ``tp.algorithms`` object (``Sync()``, ``SSP(staleness=2)``, ``EASGD(tau=4)``, or a
+        registered algorithm of your own); default ``Sync()``. Or the keyword form: ``mode``
+        ("sync", "ssp", "easgd" or another registered name) with that algorithm's options
+        (``staleness=``; ``tau=``, ``alpha=``, ``easgd_async=``) as further keywords.
+      compression: wire format of gradients: "none" (float32), "fp16", "bf16", another
+        registered codec name, or a ``tp.codecs.Codec`` instance (docs/compression.md).
       sfb: sufficient factor broadcasting for Dense layers: "auto" (cost model decides per
-        layer), "always" (every eligible layer), "never".
-      staleness: SSP bound s ≥ 0 (mode="ssp" only); 0 is sync.
-      tau: EASGD period in steps, ≥ 1.
-      alpha: EASGD moving rate in (0, 1].
-      easgd_async: asynchronous EASGD (a center holder) instead of the synchronous form.
+        layer), "always" (every eligible layer), "never". Used by the algorithms that reduce
+        gradients (sync).
       bucket_bytes: cap on a gradient bucket's size in bytes; None picks the default.
       overlap: communicate each bucket as soon as its gradients exist (wait-free backprop);
         False sends everything after the backward pass (the naive baseline).
@@ -80,20 +79,17 @@ class PoseidonStrategy(distribute_lib.Strategy):
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
-      NotImplementedError: the option names a feature this version does not have yet.
       tf_poseidon.world.WorldError: the launcher's environment describes no usable world.
     """
 
-    def __init__(self, mode: str = "sync", compression: str = "none", sfb: str = "auto",
-                 staleness: int = 0, tau: int = 1, alpha: float = 0.5,
-                 easgd_async: bool = False, bucket_bytes: int | None = None,
-                 overlap: bool = True, timeline: str | None = None,
-                 bandwidth_gbps: float | None = None):
-        config = StrategyConfig(mode=mode, compression=compression, sfb=sfb,
-                                staleness=staleness, tau=tau, alpha=alpha,
-                                easgd_async=easgd_async, bucket_bytes=bucket_bytes,
-                                overlap=overlap, timeline=timeline,
-                                bandwidth_gbps=bandwidth_gbps)
+    def __init__(self, algorithm: Algorithm | str | None = None, *, mode: str | None = None,
+                 compression: str | Codec = "none", sfb: str = "auto",
+                 bucket_bytes: int | None = None, overlap: bool = True,
+                 timeline: str | None = None, bandwidth_gbps: float | None = None,
+                 **algorithm_options):
+        config = StrategyConfig(algorithm, mode=mode, compression=compression, sfb=sfb,
+                                bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
+                                bandwidth_gbps=bandwidth_gbps, **algorithm_options)
         if timeline:
             os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))
@@ -115,7 +111,7 @@ class PoseidonStrategy(distribute_lib.Strategy):
         self.extended.drain()
 
     def plan(self):
-        """The per-layer SFB plan: which Dense kernels travel as sufficient factors, and why.
+        """The per-layer plan: which protocol carries each Dense kernel's gradient, and why.
 
         Any rank, any time, non-blocking; prints the table on rank 0 and returns a
         ``tf_poseidon.sacp.Plan`` (``rows``: layer, kernel shape, local batch K, bytes by
@@ -142,7 +138,7 @@ class PoseidonStrategy(distribute_lib.Strategy):
         if not self.extended._distributed:
             return stats_lib.step_report([], last_steps)
         report = stats_lib.step_report(self.extended.engine.stats.records(), last_steps)
-        report["mode"] = self.extended.synchronizer.stats()
+        report["mode"] = self.extended.algorithm_impl.stats()
         return report
 
     def __deepcopy__(self, memo):
@@ -160,10 +156,9 @@ def _log_on_chief_only() -> None:
 
 
 class _ReplicaScope(threading.local):
-    """What ``run`` knows about the replica function being run on this thread."""
+    """How deep this thread is in ``run``'s replica functions (variables created inside one
+    are not broadcast from rank 0: they start equal by construction)."""
 
-    local_batch: tf.Tensor | None = None
-    weight_by_batch_share: bool = False
     depth: int = 0
 
 
@@ -178,7 +173,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         self._variables: list[tf.Variable] = []
         self._num_synced = 0
         self._replica_scope = _ReplicaScope()
-        self._synchronizer = None
+        self._algorithm_impl: AlgorithmImpl | None = None
         self.sequencer = graph_ops.Sequencer() if self._world.size > 1 else None
 
     # -- world --------------------------------------------------------------------------
@@ -200,12 +195,18 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         return get_engine()
 
     @property
-    def synchronizer(self):
-        """The mode's synchronizer (sync/), built on first use. Only when P > 1."""
-        if self._synchronizer is None:
-            self._synchronizer = SYNCHRONIZERS[self.config.mode](
-                self.engine, self.sequencer, self.config, self._world.size)
-        return self._synchronizer
+    def algorithm_impl(self) -> AlgorithmImpl:
+        """The algorithm's runtime object (``config.algorithm.reify``), built on first use (on
+        every rank at the same point: it may be collective). Only when P > 1."""
+        if self._algorithm_impl is None:
+            self._algorithm_impl = self.config.algorithm.reify(AlgorithmContext(
+                self.engine, self.sequencer, self._world.size, self.config))
+        return self._algorithm_impl
+
+    @property
+    def algorithm_impl_if_built(self) -> AlgorithmImpl | None:
+        """The runtime object if it exists already (never starts MPI)."""
+        return self._algorithm_impl
 
     @property
     def should_checkpoint(self) -> bool:
@@ -226,7 +227,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         """
         if not self._distributed:
             return contextlib.nullcontext()
-        return self.synchronizer.consistent_state()
+        return self.algorithm_impl.consistent_state()
 
     # -- variables ----------------------------------------------------------------------
 
@@ -259,10 +260,8 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         self._sync_new_variables()
         strategy = self._container_strategy()
         scope = self._replica_scope
-        outer_batch = scope.local_batch
-        scope.local_batch = data_lib.batch_size_of((args, kwargs or {}))
         scope.depth += 1
-        tracing = (self.synchronizer.tracing_replica_function() if self._distributed
+        tracing = (self.algorithm_impl.tracing_replica_function() if self._distributed
                    else contextlib.nullcontext())
         try:
             with tf.device(self._device), _PoseidonReplicaContext(strategy, self._world.rank), \
@@ -270,51 +269,37 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
                 return fn(*args, **(kwargs or {}))
         finally:
             scope.depth -= 1
-            scope.local_batch = outer_batch
 
     def in_replica_function(self) -> bool:
         """Whether this thread is inside ``run``'s replica function (tracing or eager)."""
         return self._replica_scope.depth > 0
 
-    @contextlib.contextmanager
-    def batch_share_weighting(self):
-        """Within it, gradient reductions weight each rank by its share of the global batch.
-
-        Entered around Keras' ``train_step`` (keras_integration.py), whose loss is a mean over
-        the local batch; see sync/batch_share.py.
-        """
-        scope = self._replica_scope
-        outer, scope.weight_by_batch_share = scope.weight_by_batch_share, True
-        try:
-            yield
-        finally:
-            scope.weight_by_batch_share = outer
-
     def reduce_gradients(self, grads: Sequence[tf.Tensor],
                          variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
-        """Replica context: the gradients every rank applies, per the strategy's mode.
+        """Replica context: the gradients every rank applies, per the strategy's algorithm.
 
         Called by the Keras optimizer integration with the local gradients (dense, static
-        shapes) of ``variables``. In sync mode: Σ_p g_p (weighted by batch share inside
-        :meth:`batch_share_weighting`).
+        shapes) of ``variables``. Sync: Σ_p g_p, weighted by batch share when the replica
+        context carries this replica's example count (``_PoseidonReplicaContext.local_batch``,
+        set by Keras' train step integration).
         """
         grads = [tf.convert_to_tensor(g) for g in grads]
         if not self._distributed:
             return grads
-        scope = self._replica_scope
-        local_batch = scope.local_batch if scope.weight_by_batch_share else None
-        return self.synchronizer.reduce_gradients(grads, variables, local_batch)
+        context = tf.distribute.get_replica_context()
+        local_batch = getattr(context, "local_batch", None)
+        return self.algorithm_impl.reduce_gradients(grads, variables, local_batch)
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
         """Replica context, right after the optimizer updated ``variables``: the mode's
         follow-up (SSP's delta exchange, EASGD's elastic move; nothing in sync mode)."""
         if self._distributed:
-            self.synchronizer.after_update(variables)
+            self.algorithm_impl.after_update(variables)
 
     def drain(self) -> None:
         """Every rank, eagerly: applies every pending update (SSP), so replicas agree."""
         if self._distributed:
-            self.synchronizer.drain()
+            self.algorithm_impl.drain()
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""
@@ -337,8 +322,8 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             return list(flat)
         plan = buckets_lib.plan_buckets(flat, backprop_order=False,
                                         first_bucket_bytes=buckets_lib.DEFAULT_BUCKET_BYTES)
-        summed = graph_ops.bucketed_collective(self.engine, name, flat, plan,
-                                               collectives.ALLREDUCE_SUM, self.sequencer)
+        group = CollectiveGroup(name, plan, {_EXACT_SUM.kind: _EXACT_SUM})
+        summed = graph_ops.run_buckets(self.engine, self.sequencer, group, [[v] for v in flat])
         if reduce_op == reduce_util.ReduceOp.MEAN:
             summed = [s / tf.cast(self._world.size, s.dtype) for s in summed]
         return summed
@@ -356,7 +341,11 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     def _gather_to_implementation(self, value, destinations, axis, options):
         """Cross-replica: every rank's ``value`` concatenated along ``axis`` in rank order."""
         del destinations, options
-        tensor = tf.convert_to_tensor(value)
+        return self.gather_along(tf.convert_to_tensor(value), axis)
+
+    def gather_along(self, tensor: tf.Tensor, axis: int) -> tf.Tensor:
+        """Any context, every rank alike (a collective): every rank's ``tensor`` concatenated
+        along ``axis`` in rank order (``tensor`` itself in a world of one)."""
         if not self._distributed:
             return tensor
         return gather_along(self.engine, self.sequencer, tensor, axis)
@@ -398,8 +387,7 @@ def gather_along(engine, sequencer, tensor: tf.Tensor, axis: int) -> tf.Tensor:
     axis = axis % rank
     perm = [axis] + [d for d in range(rank) if d != axis]
     moved = tf.transpose(tensor, perm) if axis else tensor
-    gathered = graph_ops.gather_rows(engine, "gather", moved, collectives.ALLGATHER_CONCAT,
-                                     sequencer)
+    gathered = graph_ops.gather_rows(engine, sequencer, "gather", moved)
     if not axis:
         return gathered
     inverse = [perm.index(d) for d in range(rank)]
@@ -407,10 +395,26 @@ def gather_along(engine, sequencer, tensor: tf.Tensor, axis: int) -> tf.Tensor:
 
 
 class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
-    """The replica context ``run`` enters: replica id = rank, all-gather over the engine."""
+    """The replica context ``run`` enters: replica id = rank, all-gather over the engine.
+
+    ``local_batch``: this replica's example count in the step, when the gradient reduction is
+    to weight each rank by its share of the global batch (Keras' compiled loss, a mean over the
+    local batch: keras_integration's train step sets it with :meth:`weighting_by_batch_share`);
+    None gives plain sums (custom loops, whose loss convention is already global).
+    """
 
     def __init__(self, strategy: PoseidonStrategy, rank: int):
         super().__init__(strategy, replica_id_in_sync_group=rank)
+        self.local_batch: tf.Tensor | None = None
+
+    @contextlib.contextmanager
+    def weighting_by_batch_share(self, local_batch: tf.Tensor | None):
+        """Within it, gradient reductions in this replica weight it by ``local_batch``."""
+        outer, self.local_batch = self.local_batch, local_batch
+        try:
+            yield
+        finally:
+            self.local_batch = outer
 
     @property
     def devices(self):
@@ -423,8 +427,7 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
         if not extended._distributed:
             return value
         return tf.nest.map_structure(
-            lambda v: gather_along(extended.engine, extended.sequencer, tf.convert_to_tensor(v),
-                                   axis), value)
+            lambda v: extended.gather_along(tf.convert_to_tensor(v), axis), value)
 
 
-keras_integration.install()
+keras_integration.install(PoseidonStrategy)

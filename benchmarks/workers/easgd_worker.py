@@ -86,9 +86,8 @@ def main():
     groups = sorted({r.group for r in records})
     sent = sum(r.bytes_sent for r in records)
     received = sum(r.bytes_received for r in records)
-    synchronizer = strategy.extended.synchronizer
-    if getattr(synchronizer, "asynchronous", False):
-        stats = synchronizer.stats()
+    if strategy.config.algorithm.asynchronous:
+        stats = strategy.extended.algorithm_impl.stats()
         served = stats.get("served", {"bytes_sent": 0, "bytes_received": 0})
         sent += stats["bytes_sent"] + served["bytes_sent"]
         received += stats["bytes_received"] + served["bytes_received"]

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon import world
-from tf_poseidon.sync import easgd_center
+from tf_poseidon.algorithms import easgd_center
 
 ALPHA = 0.25
 BFLOAT16 = tf.bfloat16.as_numpy_dtype

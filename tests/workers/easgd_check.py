@@ -11,7 +11,7 @@ differently (rank 0's initial weights must reach the others). Saved: the data, e
 own initial weights (before rank 0's are broadcast), the weights at the end of epoch 0 outside
 and inside ``consistent_state`` and after leaving it, the local weights at the end of training
 (before ``fit``'s drain), the weights after ``fit``, evaluate's results, per-batch end times,
-and the synchronizer's stats; with --second-fit, the same for one more epoch after setting
+and the algorithm's stats; with --second-fit, the same for one more epoch after setting
 different weights on every rank.
 """
 

@@ -1,37 +1,71 @@
-"""Buckets: the unit of communication.
+"""Buckets: the unit of communication, and the one planner that forms them.
 
-A bucket is a set of tensors that travel together in one collective. Gradients are assigned to
-buckets in backprop order — the last layer's gradients first, since backprop produces them first
-— so bucket 0 is the first one ready and the first one posted. Bucket 0 is kept small so that
+A bucket is a set of *items* that travel together in one collective, by one protocol (its
+*kind*: "allreduce", "sfb", ...; comm/protocol.py). Gradients are assigned to buckets in
+backprop order — the last layer's gradients first, since backprop produces them first — so
+bucket 0 is the first one ready and the first one posted. Bucket 0 is kept small so that
 communication starts early; the others are capped at ``bucket_bytes`` (PyTorch DDP's scheme).
-A tensor larger than the cap gets a bucket of its own; tensors are never split.
+An item larger than the cap gets a bucket of its own; items are never split, and a bucket holds
+items of one kind and one payload dtype only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 256 * 1024
+ALLREDUCE = "allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One thing a bucket carries: what it stands for and how big its payload is.
+
+    ``shape`` is the shape of the tensor it stands for (a gradient: its variable's), which a
+    protocol may need (SFB: the kernel's M×N). ``num_elements`` is its payload's element count
+    in ``payload_dtype`` — an estimate for protocols whose payload size is known only when the
+    step runs (SFB's factors), used for the bucket caps and the statistics.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    payload_dtype: np.dtype
+    num_elements: int
+    kind: str = ALLREDUCE
+
+    @classmethod
+    def of(cls, value: tf.Tensor, name: str, kind: str = ALLREDUCE) -> "Item":
+        """The item of a tensor with a static shape, summed in its :func:`payload_dtype`."""
+        return cls(name, tuple(value.shape.as_list()) if value.shape.rank is not None else (),
+                   payload_dtype(value.dtype), static_num_elements(value, name), kind)
 
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Tensors ``members`` (positions in the caller's flat list) reduced together.
+    """Bucket ``index`` of a plan: ``items`` travel together by the protocol ``kind``.
 
-    ``payload_dtype`` is the numpy dtype the bucket is summed in (float32 for 16- and 32-bit
-    floats, float64 for float64, int64 for integers); ``sizes`` are the members' element
-    counts in member order.
+    ``members`` are the items' positions in the caller's list, in bucket order.
     """
 
     index: int
+    kind: str
     members: tuple[int, ...]
-    sizes: tuple[int, ...]
+    items: tuple[Item, ...]
     payload_dtype: np.dtype
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The items' payload element counts, in member order."""
+        return tuple(item.num_elements for item in self.items)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(item.name for item in self.items)
 
     @property
     def num_elements(self) -> int:
@@ -42,6 +76,22 @@ class Bucket:
         return self.num_elements * self.payload_dtype.itemsize
 
 
+TENSOR_ALIGNMENT = 64  # bytes; TensorFlow's EIGEN_MAX_ALIGN_BYTES on CPUs with AVX-512
+
+
+def aligned_empty(size: int, dtype: np.dtype) -> np.ndarray:
+    """A new 1-D array (contents undefined) whose data starts on a 64-byte boundary (unless
+    empty).
+
+    A numpy_function op's output array becomes its tensor without a copy only when so aligned
+    (TensorFlow copies others: one more pass over the data). Payloads and results use these.
+    """
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + TENSOR_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % TENSOR_ALIGNMENT
+    return raw[start:start + size * dtype.itemsize].view(dtype)
+
+
 def member_slices(sizes: Sequence[int]) -> list[slice]:
     """Where each member of ``sizes`` elements lies in the flat payload, in member order."""
     bounds = np.cumsum([0, *sizes])
@@ -49,7 +99,8 @@ def member_slices(sizes: Sequence[int]) -> list[slice]:
 
 
 def payload_dtype(dtype: tf.DType) -> np.dtype:
-    """The dtype a tensor of ``dtype`` is summed in. Raises TypeError for non-numeric dtypes."""
+    """The dtype a tensor of ``dtype`` is summed in (float32 for 16- and 32-bit floats, float64
+    for float64, int64 for integers). Raises TypeError for non-numeric dtypes."""
     if dtype.is_floating:
         return np.dtype(np.float64 if dtype == tf.float64 else np.float32)
     if dtype.is_integer:
@@ -68,43 +119,48 @@ def static_num_elements(value: tf.Tensor, what: str = "tensor") -> int:
     return value.shape.num_elements()
 
 
-def plan_buckets(values: Sequence[tf.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def plan_buckets(entries: Sequence[Union[Item, tf.Tensor]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
                  backprop_order: bool = True) -> list[Bucket]:
-    """Assigns ``values`` to buckets.
+    """Assigns ``entries`` to buckets.
 
     Args:
-      values: tensors with static shapes, in forward (variable creation) order.
+      entries: Items, or tensors with static shapes (all-reduce items named by position), in
+        forward (variable creation) order.
       bucket_bytes: cap on a bucket's payload bytes (bucket 0 excepted).
       first_bucket_bytes: cap on bucket 0's payload bytes.
-      backprop_order: visit ``values`` last-first (gradients); False keeps the given order.
+      backprop_order: visit ``entries`` last-first (gradients); False keeps the given order.
 
     Returns:
-      Buckets, index 0 first. Every position of ``values`` is in exactly one bucket; a bucket
-      holds one payload dtype only.
+      Buckets, index 0 first. Every position of ``entries`` is in exactly one bucket; a bucket
+      holds one kind and one payload dtype only. Any thread, no communication.
     """
-    order = range(len(values) - 1, -1, -1) if backprop_order else range(len(values))
+    items = [entry if isinstance(entry, Item) else Item.of(entry, str(position))
+             for position, entry in enumerate(entries)]
+    order = range(len(items) - 1, -1, -1) if backprop_order else range(len(items))
     buckets: list[Bucket] = []
-    open_by_dtype: dict[np.dtype, tuple[list[int], list[int]]] = {}
+    open_buckets: dict[tuple[str, np.dtype], list[int]] = {}
 
-    def close(dtype: np.dtype) -> None:
-        members, sizes = open_by_dtype.pop(dtype)
-        buckets.append(Bucket(len(buckets), tuple(members), tuple(sizes), dtype))
+    def close(key: tuple[str, np.dtype]) -> None:
+        members = open_buckets.pop(key)
+        buckets.append(Bucket(len(buckets), key[0], tuple(members),
+                              tuple(items[i] for i in members), key[1]))
+
+    def payload_bytes(members: list[int], dtype: np.dtype) -> int:
+        return sum(items[i].num_elements for i in members) * dtype.itemsize
 
     for position in order:
-        value = values[position]
-        dtype = payload_dtype(value.dtype)
-        n = static_num_elements(value, f"value {position}")
+        item = items[position]
+        key = (item.kind, item.payload_dtype)
         cap = first_bucket_bytes if not buckets else bucket_bytes
-        if dtype in open_by_dtype:
-            members, sizes = open_by_dtype[dtype]
-            if (sum(sizes) + n) * dtype.itemsize > cap and members:
-                close(dtype)
-        members, sizes = open_by_dtype.setdefault(dtype, ([], []))
+        members = open_buckets.get(key)
+        if members and payload_bytes(members + [position], key[1]) > cap:
+            close(key)
+        members = open_buckets.setdefault(key, [])
         members.append(position)
-        sizes.append(n)
-        if sum(sizes) * dtype.itemsize >= cap:
-            close(dtype)
-    for dtype in list(open_by_dtype):
-        close(dtype)
+        if payload_bytes(members, key[1]) >= cap:
+            close(key)
+    for key in list(open_buckets):
+        close(key)
     return buckets

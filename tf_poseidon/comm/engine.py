@@ -30,13 +30,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm import timeline as timeline_lib
-from tf_poseidon.comm.collectives import Collective
+from tf_poseidon.comm.buckets import Bucket
+from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -51,22 +52,26 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 class CollectiveGroup:
-    """The buckets of one traced collective call, and their result queues.
+    """The buckets of one traced collective call, their protocols, and their result queues.
 
-    Created at trace time (one per ``all_reduce``/``gather`` call site of a traced function)
-    and on every eager call. ``collective`` runs each bucket on the engine thread;
-    ``bucket_layers[i]`` names the tensors of bucket i with their payload bytes (for stats).
+    Created at trace time (one per reduction or gather call site of a traced function) and on
+    every eager call, by ``graph_ops.run_buckets``. ``buckets`` is the plan (comm/buckets.py);
+    ``protocols`` maps each bucket kind to the protocol that runs it on the engine thread
+    (comm/protocol.py).
     """
 
     _ids = itertools.count()
 
-    def __init__(self, name: str, collective: Collective,
-                 bucket_layers: Sequence[Sequence[tuple[str, int]]]):
+    def __init__(self, name: str, buckets: Sequence[Bucket],
+                 protocols: Mapping[str, BucketProtocol]):
+        missing = {b.kind for b in buckets} - set(protocols)
+        if missing:
+            raise ValueError(f"collective {name!r}: no protocol for bucket kinds {missing}")
         self.id = next(self._ids)
         self.name = name
-        self.collective = collective
-        self.bucket_layers = [tuple(layers) for layers in bucket_layers]
-        self.num_buckets = len(self.bucket_layers)
+        self.buckets = tuple(buckets)
+        self.protocols = dict(protocols)
+        self.num_buckets = len(self.buckets)
         self._results = [queue.SimpleQueue() for _ in range(self.num_buckets)]
         self._arrivals = [0] * self.num_buckets
         self._instances_started = 0
@@ -199,21 +204,26 @@ class CommEngine:
 
     def _run_bucket(self, job: _BucketJob) -> None:
         group = job.group
+        bucket = group.buckets[job.index]
         start = time.perf_counter()
         try:
-            result = group.collective.run(self.comm, job.payload)
+            result = group.protocols[bucket.kind].run(
+                self.comm, BucketCall(group.name, group.id, job.instance, bucket, job.payload))
         except BaseException as e:  # delivered to the waiting graph op, which raises it
-            result = RuntimeError(f"tf_poseidon: collective {group.name!r} bucket "
-                                  f"{job.index} failed on rank {self.rank}: {e!r}")
+            result = BucketResult(RuntimeError(
+                f"tf_poseidon: collective {group.name!r} bucket {job.index} failed on rank "
+                f"{self.rank}: {e!r}"), 0.0, 0.0)
         end = time.perf_counter()
-        sent, received = group.collective.wire_bytes(job.payload.nbytes, self.size)
+        item_bytes = result.item_bytes or tuple(
+            n * bucket.payload_dtype.itemsize for n in bucket.sizes)
         self.stats.record(stats_lib.BucketRecord(
-            group.name, group.id, job.instance, job.index, group.bucket_layers[job.index],
-            job.payload.nbytes, sent, received, job.submitted_at, start, end))
+            group.name, group.id, job.instance, job.index,
+            tuple(zip(bucket.names, item_bytes)), job.payload.nbytes, result.bytes_sent,
+            result.bytes_received, job.submitted_at, start, end))
         if self.timeline is not None:
             self.timeline.bucket(group.name, job.index, job.payload.nbytes, job.submitted_at,
                                  start, end)
-        group._results[job.index].put(result)
+        group._results[job.index].put(result.value)
 
     def _run_call(self, job: _CallJob) -> None:
         try:

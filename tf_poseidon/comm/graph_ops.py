@@ -1,14 +1,16 @@
 """The graph side of the engine: ops that hand buckets to it and bring results back.
 
-Per bucket, two ops:
+:func:`run_buckets` is the one choreography every reduction and gather goes through. Per
+bucket, two ops:
 
 * ``enqueue``: a non-blocking op. It runs as soon as the bucket's tensors exist (and the
-  previous bucket was handed over), copies them into one payload, hands it to the engine and
-  returns a scalar int64 *token*.
+  previous bucket was handed over), packs them into one payload (the bucket protocol's
+  ``pack``), hands it to the engine and returns a scalar int64 *token*.
 * ``collect``: takes *all* tokens of the group as inputs and blocks until the bucket's result
-  is there. Because it depends on every token, no inter-op thread blocks before the whole
-  group has been handed over — otherwise, with only as many inter-op threads as cores, a rank
-  could wait on itself. Its outputs are the result's pieces, one per tensor of the bucket.
+  is there (the protocol's ``receive``). Because it depends on every token, no inter-op thread
+  blocks before the whole group has been handed over — otherwise, with only as many inter-op
+  threads as cores, a rank could wait on itself. Its outputs are the result's pieces (outputs
+  of the op itself: no split copies them again).
 
 Both are stateful ``numpy_function`` ops (grappler may not constant-fold or merge them) and
 both go through the :class:`Sequencer`, which runs every communication op of a function in
@@ -24,14 +26,14 @@ bucket k overlaps backprop of the layers below it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon.comm import buckets as buckets_lib
 from tf_poseidon.comm import engine as engine_lib
-from tf_poseidon.comm.collectives import Collective
+from tf_poseidon.comm.buckets import Bucket, Item
+from tf_poseidon.comm.protocol import AllGather, BucketProtocol
 
 
 class Sequencer:
@@ -49,89 +51,16 @@ class Sequencer:
     def __init__(self):
         self._counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tp_comm_order")
 
-    def run_in_order(self, make_op) -> tf.Tensor:
+    def run_in_order(self, make_op) -> Any:
         """``make_op(extra_inputs)`` builds the op; in a graph, ``extra_inputs`` is the counter
         read it must consume (as an ignored input), eagerly it is empty (ops run when built)."""
         if tf.executing_eagerly():
             return make_op([])
         turn = self._counter.read_value()
         op = make_op([turn])
-        with tf.control_dependencies([op]):
+        with tf.control_dependencies(tf.nest.flatten(op)):
             self._counter.assign_add(1)
         return op
-
-
-Pack = Callable[[Sequence[np.ndarray]], np.ndarray]
-Wait = Callable[[int], np.ndarray]
-
-
-TENSOR_ALIGNMENT = 64  # bytes; TensorFlow's EIGEN_MAX_ALIGN_BYTES on CPUs with AVX-512
-
-
-def aligned_empty(size: int, dtype: np.dtype) -> np.ndarray:
-    """A new 1-D array (contents undefined) whose data starts on a 64-byte boundary (unless
-    empty).
-
-    A numpy_function op's output array becomes its tensor without a copy only when so aligned
-    (TensorFlow copies others: one more pass over the data). Payloads and results use these.
-    """
-    dtype = np.dtype(dtype)
-    raw = np.empty(size * dtype.itemsize + TENSOR_ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % TENSOR_ALIGNMENT
-    return raw[start:start + size * dtype.itemsize].view(dtype)
-
-
-def concatenated(dtype: np.dtype) -> Pack:
-    """The default payload: the tensors flattened and concatenated in ``dtype`` (a copy:
-    TensorFlow may reuse the arrays' memory once the enqueue op returns)."""
-    def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
-        payload = aligned_empty(sum(a.size for a in arrays), dtype)
-        np.concatenate([np.asarray(a, dtype).ravel() for a in arrays], out=payload)
-        return payload
-    return pack
-
-
-def enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, index: int,
-            tensors: Sequence[tf.Tensor], sequencer: Sequencer, pack: Pack) -> tf.Tensor:
-    """The op that hands bucket ``index``'s payload, ``pack(values of tensors)``, to the
-    engine. ``pack`` runs on a TensorFlow thread and must not return memory of its inputs.
-    Returns the op's token."""
-    count = len(tensors)
-
-    def hand_over(*arrays: np.ndarray) -> np.int64:
-        engine.submit(group, index, pack(arrays[:count]))
-        return np.int64(index)
-
-    def make(extra):
-        token = tf.numpy_function(hand_over, list(tensors) + extra, tf.int64, stateful=True,
-                                  name=f"tp_enqueue_{group.name}_{index}")
-        token.set_shape([])
-        return token
-    return sequencer.run_in_order(make)
-
-
-def collect(group: engine_lib.CollectiveGroup, index: int, tokens: Sequence[tf.Tensor],
-            payload_dtype: np.dtype, sizes: Sequence[int] | None,
-            sequencer: Sequencer, wait: Wait | None = None) -> list[tf.Tensor]:
-    """The op that waits for bucket ``index``'s result (``wait(index)``, default the group's
-    next result) once every token exists. Returns the result cut into 1-D pieces of ``sizes``
-    elements (outputs of the op itself: no split copies it again), or, with ``sizes=None``,
-    the whole result of any length as one piece."""
-    wait = wait or group.wait_result
-    parts = buckets_lib.member_slices(sizes) if sizes is not None else [slice(None)]
-
-    def result(*_inputs) -> list[np.ndarray]:
-        flat = wait(index)
-        return [flat[part] for part in parts]
-
-    def make(extra):
-        count = 1 if sizes is None else len(sizes)
-        pieces = numpy_outputs(result, list(tokens) + extra, [tf.as_dtype(payload_dtype)] * count,
-                               f"tp_collect_{group.name}_{index}")
-        for piece, size in zip(pieces, sizes or [None]):
-            piece.set_shape([size])
-        return pieces
-    return sequencer.run_in_order(make)
 
 
 def numpy_outputs(function: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor],
@@ -142,63 +71,93 @@ def numpy_outputs(function: Callable[..., Sequence[np.ndarray]], inputs: Sequenc
     return [outputs] if isinstance(outputs, tf.Tensor) else list(outputs)
 
 
-def bucketed_collective(engine: engine_lib.CommEngine, name: str,
-                        values: Sequence[tf.Tensor], plan: Sequence[buckets_lib.Bucket],
-                        collective: Collective, sequencer: Sequencer,
-                        names: Sequence[str] | None = None,
-                        wait_for: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
-    """Runs ``collective`` on every bucket of ``plan`` through the engine.
+def enqueue(engine: engine_lib.CommEngine, group: engine_lib.CollectiveGroup, bucket: Bucket,
+            tensors: Sequence[tf.Tensor], sequencer: Sequencer,
+            pack: Callable[[Bucket, Sequence[np.ndarray]], np.ndarray]) -> tf.Tensor:
+    """The op that hands ``pack(bucket, values of tensors)`` to the engine as ``bucket``'s
+    payload. ``pack`` runs on a TensorFlow thread and must not return memory of its inputs.
+    Returns the op's token."""
+    def hand_over(*arrays: np.ndarray) -> np.int64:
+        engine.submit(group, bucket.index, pack(bucket, arrays[:len(tensors)]))
+        return np.int64(bucket.index)
+
+    def make(extra):
+        token = tf.numpy_function(hand_over, list(tensors) + extra, tf.int64, stateful=True,
+                                  name=f"tp_enqueue_{group.name}_{bucket.index}")
+        token.set_shape([])
+        return token
+    return sequencer.run_in_order(make)
+
+
+def collect(group: engine_lib.CollectiveGroup, bucket: Bucket, tokens: Sequence[tf.Tensor],
+            protocol: BucketProtocol, sequencer: Sequencer) -> list[tf.Tensor]:
+    """The op that, once every token exists, returns ``protocol.receive(group, bucket)`` as
+    tensors of ``protocol.outputs(bucket)``."""
+    specs = protocol.outputs(bucket)
+
+    def make(extra):
+        pieces = numpy_outputs(lambda *_: protocol.receive(group, bucket), list(tokens) + extra,
+                               [dtype for dtype, _ in specs],
+                               f"tp_collect_{group.name}_{bucket.index}")
+        for piece, (_, shape) in zip(pieces, specs):
+            piece.set_shape(shape)
+        return pieces
+    return sequencer.run_in_order(make)
+
+
+def run_buckets(engine: engine_lib.CommEngine, sequencer: Sequencer,
+                group: engine_lib.CollectiveGroup, inputs: Sequence[Sequence[tf.Tensor]],
+                wait_for: Sequence[tf.Tensor] = ()) -> list[Any]:
+    """Runs every bucket of ``group`` through the engine, each by the protocol of its kind.
 
     Args:
-      engine: the process's engine.
-      name: names the group in stats, timelines and errors.
-      values: tensors with static shapes; ``plan`` assigns each to one bucket.
-      plan: from :func:`buckets.plan_buckets`.
-      collective: run on the engine thread per bucket; its result has the payload's shape
-        and dtype (e.g. an in-place MPI all-reduce).
-      sequencer: the strategy's; orders these ops with its other communication ops.
-      names: one per value, for per-layer statistics (default: positions).
+      engine, sequencer: the strategy's; the sequencer orders these ops with the process's
+        other communication ops.
+      group: the buckets (``group.buckets``, from :func:`buckets.plan_buckets`: member
+        positions index ``inputs``) and the protocol of each kind. A group made once and run
+        on every trace keeps counting its instances across retraces (SSP's exchange does).
+      inputs: per member, the tensors its protocol packs (an all-reduce member: one tensor
+        with a static shape).
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
 
     Returns:
-      One tensor per value, same shape and dtype, holding that value's part of the results.
-      Works eagerly (blocks until done) and in graphs (the collect ops block when run).
+      Per member, what its protocol's ``finish`` made of the result (an all-reduce member: a
+      tensor of its shape and dtype). Works eagerly (blocks until done) and in graphs (the
+      collect ops block when run, at most the collective timeout).
     """
-    names = list(names) if names is not None else [str(i) for i in range(len(values))]
-    group = engine_lib.CollectiveGroup(name, collective, bucket_layers(plan, names))
     with tf.control_dependencies(list(wait_for)):
-        tokens = [enqueue(engine, group, b.index, [values[i] for i in b.members], sequencer,
-                           concatenated(b.payload_dtype)) for b in plan]
-    results: list[tf.Tensor | None] = [None] * len(values)
-    for bucket in plan:
-        pieces = collect(group, bucket.index, tokens, bucket.payload_dtype, bucket.sizes,
-                          sequencer)
-        for position, piece in zip(bucket.members, pieces):
-            value = values[position]
-            results[position] = tf.reshape(tf.cast(piece, value.dtype), value.shape)
+        tokens = [enqueue(engine, group, bucket,
+                          [t for i in bucket.members for t in inputs[i]], sequencer,
+                          group.protocols[bucket.kind].pack) for bucket in group.buckets]
+    results: list[Any] = [None] * len(inputs)
+    for bucket in group.buckets:
+        protocol = group.protocols[bucket.kind]
+        outputs = collect(group, bucket, tokens, protocol, sequencer)
+        finished = protocol.finish(bucket, outputs, [inputs[i] for i in bucket.members])
+        for position, result in zip(bucket.members, finished):
+            results[position] = result
     return results
 
 
-def bucket_layers(plan: Sequence[buckets_lib.Bucket],
-                  names: Sequence[str]) -> list[list[tuple[str, int]]]:
-    """Per bucket, its members' names and payload bytes (a CollectiveGroup's statistics)."""
-    return [[(names[i], n * b.payload_dtype.itemsize) for i, n in zip(b.members, b.sizes)]
-            for b in plan]
+_GATHER = AllGather()
 
 
-def gather_rows(engine: engine_lib.CommEngine, name: str, value: tf.Tensor,
-                collective: Collective, sequencer: Sequencer) -> tf.Tensor:
-    """Concatenates every rank's ``value`` along axis 0, in rank order.
+def gather_rows(engine: engine_lib.CommEngine, sequencer: Sequencer, name: str,
+                value: tf.Tensor) -> tf.Tensor:
+    """Concatenates every rank's ``value`` along axis 0, in rank order (collective).
 
     ``value`` may have a different leading dimension on each rank; its other dimensions must
-    be static and equal on every rank. Eager or graph, like :func:`bucketed_collective`.
+    be static and equal on every rank. Eager or graph, like :func:`run_buckets`.
     """
     inner = value.shape[1:]
     if not inner.is_fully_defined():
-        raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got {value.shape}.")
-    dtype = np.dtype(value.dtype.as_numpy_dtype)
-    group = engine_lib.CollectiveGroup(name, collective, [[(name, 0)]])
-    token = enqueue(engine, group, 0, [value], sequencer, concatenated(dtype))
-    [flat] = collect(group, 0, [token], dtype, None, sequencer)
-    return tf.reshape(flat, [-1] + inner.as_list())
+        raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got "
+                         f"{value.shape}.")
+    item = Item(name, tuple(value.shape.as_list()), np.dtype(value.dtype.as_numpy_dtype), 0,
+                AllGather.kind)
+    group = engine_lib.CollectiveGroup(
+        name, [Bucket(0, AllGather.kind, (0,), (item,), item.payload_dtype)],
+        {AllGather.kind: _GATHER})
+    [gathered] = run_buckets(engine, sequencer, group, [[value]])
+    return gathered

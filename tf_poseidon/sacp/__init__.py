@@ -1,16 +1,16 @@
-"""SACP: structure-aware communication — sufficient factor broadcasting (SFB) for Dense layers.
+"""SACP: structure-aware communication — which protocol carries each layer's gradient.
 
-For a Dense kernel W (M×N) and local batch K, the gradient is ΔW_p = x_pᵀδ_p; instead of
-all-reducing M·N numbers, the ranks can all-gather the factors (K·(M+N) numbers each) and
-rebuild ΣΔW_p = UᵀV. Where that pays is the cost model's call, per layer.
+Poseidon's idea: the best way to synchronize a layer depends on its structure. Per layer, the
+cost model weighs the protocols that can carry its gradient — all-reduce (every gradient) and
+sufficient factor broadcasting (Dense kernels; tf_poseidon/sfb/) — by their bytes on the wire
+and estimated time at the measured (or given) network and compute rates, and the plan records
+the choice, agreed by every rank.
 
-* ``capture.py`` — while the replica function is traced, Dense layers record (x, δ) against the
-  local kernel gradient they return; no change to the user's model.
-* ``cost_model.py`` — bytes and estimated times of both ways, with measured or given rates.
-* ``plan.py`` — the per-layer choice, agreed by every rank; ``strategy.plan()``'s table.
+* ``cost_model.py`` — bytes and estimated times of each protocol, and the measured rates.
+* ``plan.py`` — the per-layer choice (``Planner``), its collective agreement, and
+  ``strategy.plan()``'s table.
 
-The SFB collective itself (buckets, wire format, reconstruction) is comm/sfb.py; the sync
-synchronizer (sync/bsp.py) puts the pieces together. docs/sfb.md has the details and figures.
+docs/sfb.md has the details and figures.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ def plan_of(strategy) -> Plan:
         plan = Plan([], 1, config.sfb, config.compression,
                     note="A world of one process: nothing is communicated.")
     else:
-        synchronizer = extended._synchronizer  # not the property: that would start MPI
-        plan = getattr(synchronizer, "sfb_plan", None)
+        impl = extended.algorithm_impl_if_built
+        plan = impl.plan() if impl is not None else None
         if plan is None:
-            why = ("sfb='never': every gradient is all-reduced." if config.sfb == "never"
-                   else "No train step with Dense layers has been traced yet: the plan is "
-                        "made when it is (the first fit step or strategy.run).")
-            if synchronizer is not None and not hasattr(synchronizer, "sfb_plan"):
-                why = f"mode={config.mode!r} does not use SFB."
+            if config.sfb == "never":
+                why = "sfb='never': every gradient is all-reduced."
+            elif impl is not None:
+                why = f"mode={config.mode!r} does not plan protocols per layer."
+            else:
+                why = ("No train step with Dense layers has been traced yet: the plan is made "
+                       "when it is (the first fit step or strategy.run).")
             plan = Plan([], size, config.sfb, config.compression, note=why)
     if world.is_chief():
         print(plan.table(), flush=True)

@@ -1,7 +1,8 @@
-"""The per-layer plan: which Dense kernels go by SFB, agreed by every rank.
+"""The per-layer plan: which protocol carries each Dense kernel's gradient, agreed by every rank.
 
-:func:`agree` is called by the synchronizer while it traces a train step, with what this rank
-captured. It is a collective: every rank sends its candidates (kernel names, shapes, local
+:class:`Planner` is what the sync algorithm asks, while it traces a train step, which gradients
+go by SFB (sfb/) and which by all-reduce. :func:`agree` is its collective, called with what
+this rank captured. It is a collective: every rank sends its candidates (kernel names, shapes, local
 batch), the ranks check they traced the same layers, take the largest local batch of each
 layer, measure the rates if the cost model needs them (once per process), compute the choices
 from these identical inputs and finally all use rank 0's choices — so every rank builds the
@@ -140,7 +141,7 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
 
     Raises RuntimeError on every rank if the ranks traced different Dense layers.
     """
-    element_bytes = 4 if config.compression == "none" else 2
+    element_bytes = config.codec.bytes_per_element
     local = [dataclasses.astuple(c) for c in candidates]
 
     def decide(comm):
@@ -169,17 +170,17 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
         choices = comm.bcast([(r.choice, r.reason) for r in plan_rows], root=0)
         plan_rows = [dataclasses.replace(r, choice=c, reason=why)
                      for r, (c, why) in zip(plan_rows, choices)]
-        return Plan(plan_rows, num_replicas, config.sfb, config.compression, rates)
+        return Plan(plan_rows, num_replicas, config.sfb, config.codec.name, rates)
 
     return engine.call(decide)
 
 
-def local_row(c: Candidate, num_replicas: int, compression: str) -> LayerPlan:
+def local_row(c: Candidate, num_replicas: int, element_bytes: float) -> LayerPlan:
     """The row of a candidate SFB cannot take (no rates, no agreement needed)."""
-    return _row(c, c.rows, "never", num_replicas, 4 if compression == "none" else 2, None)
+    return _row(c, c.rows, "never", num_replicas, element_bytes, None)
 
 
-def _row(c: Candidate, k: int | None, mode: str, num_replicas: int, element_bytes: int,
+def _row(c: Candidate, k: int | None, mode: str, num_replicas: int, element_bytes: float,
          rates: cost_model.Rates | None) -> LayerPlan:
     nan = float("nan")
     if c.m is None or c.n is None:
@@ -210,3 +211,48 @@ def _row(c: Candidate, k: int | None, mode: str, num_replicas: int, element_byte
     return dataclasses.replace(row, reason=(
         f"all-reduce faster: est. {_seconds(cost.time_allreduce_s)} ≤ "
         f"{_seconds(cost.time_sfb_s)} (SFB pays latency + fixed overhead)"))
+
+
+class Planner:
+    """The sync algorithm's per-step question, answered once per traced layer set: for each
+    gradient, its capture Match (sfb/capture.py) and agreed LayerPlan.
+
+    Keeps the choices every rank agreed on ((kernel path, M, N) -> LayerPlan), the measured
+    rates and the last plan (``strategy.plan()``) across retraces. Called on the tracing
+    thread; the first trace that captured a new Dense layer runs :func:`agree` (a collective,
+    blocking until every rank reaches it).
+    """
+
+    def __init__(self, engine, config, num_replicas: int):
+        self._engine = engine
+        self._config = config
+        self._num_replicas = num_replicas
+        self._agreed: dict[tuple, LayerPlan] = {}
+        self._rates = RatesCache()
+        self.plan: Plan | None = None
+
+    def choose(self, session, grads, variables) -> list[tuple[object | None, LayerPlan | None]]:
+        """Per gradient: (its capture Match or None, its agreed LayerPlan or None). With no
+        capture session (sfb="never", or an eager call) every gradient is (None, None)."""
+        if session is None:
+            return [(None, None)] * len(grads)
+        matches = [session.match(g, variables) for g in grads]
+        candidates = [Candidate(m.kernel_name, m.m, m.n, m.rows, m.reason)
+                      for m in matches if m is not None]
+        seen = {c.kernel for c in candidates}
+        skipped = [Candidate(name, *(shape or (None, None)), None, reason)
+                   for name, (shape, reason) in session.skipped.items() if name not in seen]
+        if any(c.refusal is None and (c.kernel, c.m, c.n) not in self._agreed
+               for c in candidates):
+            self.plan = agree(self._engine, candidates + skipped, self._config,
+                              self._num_replicas, self._rates)
+            self._agreed.update({(row.kernel, *(row.shape or (None, None))): row
+                                 for row in self.plan.rows})
+        elif (candidates or skipped) and self.plan is None:
+            # Nothing SFB could take: a local plan, no collective.
+            rows = [local_row(c, self._num_replicas, self._config.codec.bytes_per_element)
+                    for c in candidates + skipped]
+            self.plan = Plan(rows, self._num_replicas, self._config.sfb,
+                             self._config.codec.name, self._rates.rates)
+        return [(m, self._agreed.get((m.kernel_name, m.m, m.n))
+                 if m is not None and m.reason is None else None) for m in matches]

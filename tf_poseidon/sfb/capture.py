@@ -1,6 +1,6 @@
 """Capturing the sufficient factors of Dense layers while the replica function is traced.
 
-While a :class:`CaptureSession` is active on a thread (the synchronizer enters it through the
+While a :class:`CaptureSession` is active on a thread (the sync algorithm enters it through the
 strategy's ``tracing_replica_function()`` hook), ``keras.layers.Dense.call`` is replaced, on that
 thread only, by one whose matmul carries a ``tf.custom_gradient``. Its gradient function
 computes exactly what TensorFlow's own MatMul gradient computes (dx = δ·Wᵀ, dW = xᵀ·δ) and
@@ -52,11 +52,12 @@ class DenseCall:
 
 @dataclasses.dataclass
 class Factors:
-    """What one captured call's gradient recorded: dW = xᵀ·δ, with x [K, M] and δ [K, N]."""
+    """What one captured call's gradient recorded: dW = Uᵀ·V, with U = x [K, M], the layer's
+    input, and V = δ [K, N], the gradient at its output."""
 
     call: DenseCall
-    x: tf.Tensor
-    dy: tf.Tensor
+    u: tf.Tensor
+    v: tf.Tensor
     grad: tf.Tensor  # the local dW the custom gradient returned
 
 

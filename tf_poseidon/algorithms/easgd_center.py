@@ -36,7 +36,7 @@ up after :func:`~tf_poseidon.comm.engine.collective_timeout_s` with a message na
 waited for. Measured here: mpi4py's pickle-based calls (``comm.reduce``, ``comm.allgather``,
 ...) keep the GIL while they wait, so while rank 0 is blocked in one of them its holder thread
 cannot answer; rank 0 only waits for others in buffer calls (``Barrier``, ``Bcast``) while
-exchanges may be in flight (``EASGDSynchronizer`` fetches the center that way).
+exchanges may be in flight (``EASGDImpl`` fetches the center that way).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class ExchangeCounters:
 class CenterHolder:
     """Rank 0: holds every group's center and serves the other ranks' exchanges on a thread.
 
-    Created on rank 0 only, by the EASGD synchronizer (at trace time). ``register`` and
+    Created on rank 0 only, by EASGDImpl (at trace time). ``register`` and
     ``exchange`` are called from TensorFlow's threads of rank 0, ``snapshot`` from the engine
     thread; the serving thread is started by the first ``register`` and stopped at exit.
     """

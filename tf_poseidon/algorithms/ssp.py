@@ -23,7 +23,7 @@ completed and applied: end of ``fit``, before ``evaluate``/``predict``/saving, a
 ``strategy.drain()``) the replicas agree, up to float summation order. Deltas are averaged,
 not summed, so the step size is that of one optimizer step (for plain SGD, averaging the deltas
 of local-mean gradients is exactly the sync step; for adaptive optimizers, summing P steps
-would multiply the learning rate by P). ``staleness=0`` is sync mode itself: BSPSynchronizer.
+would multiply the learning rate by P). ``staleness=0`` is sync mode itself (algorithms/sync.py).
 
 Sufficient factor broadcasting does not apply (a delta after momentum or Adam is not the rank-K
 product of the layer's factors); compression does (the deltas travel in fp16/bf16).
@@ -42,25 +42,49 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon import host_kernels
-from tf_poseidon.comm import buckets as buckets_lib, collectives, engine as engine_lib, graph_ops
-from tf_poseidon.sync.base import Synchronizer, variable_names
-from tf_poseidon.sync.bsp import BSPSynchronizer
+from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
+                                         items_of, variable_names)
+from tf_poseidon.algorithms.registry import register
+from tf_poseidon.algorithms.sync import SyncImpl
+from tf_poseidon.comm import buckets as buckets_lib, collectives, graph_ops
+from tf_poseidon.comm.codecs import Codec, Exact
+from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 
 PAIRWISE_TAG = 7200  # the two-rank exchange's messages on the engine's communicator
 
 
-def ssp_synchronizer(engine, sequencer, config, num_replicas) -> Synchronizer:
-    """mode="ssp": SSPSynchronizer, or sync mode itself when staleness is 0."""
-    cls = BSPSynchronizer if config.staleness == 0 else SSPSynchronizer
-    return cls(engine, sequencer, config, num_replicas)
+@register
+class SSP(Algorithm):
+    """Stale synchronous parallel with staleness bound ``staleness`` (an int >= 0; 0 is sync
+    mode itself): see the module docstring and docs/ssp.md."""
+
+    name = "ssp"
+
+    def __init__(self, staleness: int = 0):
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"PoseidonStrategy: staleness={staleness!r} is not valid; it "
+                             "must be an integer >= 0 (0 = synchronous).")
+        self.staleness = staleness
+
+    @property
+    def lockstep(self) -> bool:
+        return self.staleness == 0
+
+    def options(self) -> dict:
+        return {"staleness": self.staleness}
+
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        return SyncImpl(context) if self.staleness == 0 else SSPImpl(context, self.staleness)
 
 
-class _DeltaExchange:
-    """The stale all-reduce of one set of variables: its engine group, this rank's own shares
-    still in flight, and how far each bucket's results have been applied.
+class _DeltaExchange(BucketProtocol):
+    """The stale all-reduce of one set of variables, as the protocol of its buckets (kind
+    "ssp_delta"): its engine group, this rank's own shares still in flight, and how far each
+    bucket's results have been applied.
 
-    Per step and bucket, on TF's threads: ``share`` (the enqueue's payload) forms this rank's
+    Per step and bucket, on TF's threads: ``pack`` (in the enqueue op) forms this rank's
     share Δ/P from the variables after and before the update; ``refresh`` (the collect) decides
     whether step t must apply late updates — only when step t−s's are not applied yet — and if
     so waits for those and takes every other step's already completed too; ``refreshed_values``
@@ -79,62 +103,78 @@ class _DeltaExchange:
     guards the bookkeeping.
     """
 
-    def __init__(self, group_name: str, summing, plan, variables, staleness: int,
-                 num_replicas: int, stats: "SSPStats"):
-        self.plan = plan
+    kind = "ssp_delta"
+
+    def __init__(self, group_name: str, codec: Codec, variables, plan_buckets,
+                 staleness: int, num_replicas: int, stats: "SSPStats"):
         self.variables = list(variables)
+        self.plan = plan_buckets(items_of(self.variables, variable_names(self.variables),
+                                          self.kind))
         self.staleness = staleness
         self.num_replicas = num_replicas
         self.stats = stats
-        self.group = engine_lib.CollectiveGroup(
-            group_name,
-            collectives.Collective(f"{summing.name}_yielding", self._sum, summing.wire_bytes),
-            graph_ops.bucket_layers(plan, variable_names(variables)))
-        self._summing = summing
+        self.group = CollectiveGroup(group_name, self.plan, {self.kind: self})
+        self._codec = codec
         # Two ranks, uncompressed: the result is the peer's share alone (an exchange, which
         # Open MPI completes in one single-copy transfer, where its non-blocking all-reduce
         # takes rounds of polling and a summing pass), and each own share is subtracted once.
-        self._pairwise = num_replicas == 2 and summing is collectives.ALLREDUCE_SUM
+        self._pairwise = num_replicas == 2 and isinstance(self._codec, Exact)
         self._own_scale = 1 if self._pairwise else num_replicas
-        self._own = [collections.deque() for _ in plan]   # own shares in flight, oldest first
-        self._steps = [0] * len(plan)                     # refresh() calls = current step
-        self._applied = [0] * len(plan)                   # instances applied
-        self._due: list[list] = [[] for _ in plan]        # (result, own) taken, not applied
+        count = len(self.plan)
+        self._own = [collections.deque() for _ in range(count)]  # own shares in flight
+        self._steps = [0] * count                    # refresh() calls = current step
+        self._applied = [0] * count                  # instances applied
+        self._due: list[list] = [[] for _ in range(count)]  # (result, own) taken, not applied
         self._pool: dict[tuple[int, np.dtype], list[np.ndarray]] = collections.defaultdict(list)
         self._lock = threading.Lock()
 
     def _buffer(self, size: int, dtype: np.dtype) -> np.ndarray:
         with self._lock:
             free = self._pool[size, dtype]
-            return free.pop() if free else graph_ops.aligned_empty(size, dtype)
+            return free.pop() if free else buckets_lib.aligned_empty(size, dtype)
 
     def _release(self, *buffers: np.ndarray) -> None:
         with self._lock:
             for buffer in buffers:
                 self._pool[buffer.size, buffer.dtype].append(buffer)
 
-    def _sum(self, comm, share: np.ndarray) -> np.ndarray:
-        # Engine thread: the result goes to a buffer of its own; the share stays for
-        # refreshed_values. Nothing waits for it before step t+s, so it waits without
-        # spinning a core.
+    def run(self, comm, call: BucketCall) -> BucketResult:
+        """Engine thread: the result goes to a buffer of its own; the share stays for
+        refreshed_values. Nothing waits for it before step t+s, so it waits without spinning
+        a core."""
+        share = call.payload
         comm, out = collectives.YieldingComm(comm), self._buffer(share.size, share.dtype)
+        sent = self._codec.wire_bytes(share.size, comm.Get_size(), share.dtype)
         if self._pairwise:
             peer = 1 - comm.Get_rank()
             comm.Sendrecv(share, dest=peer, recvbuf=out, source=peer, tag=PAIRWISE_TAG)
-            return out
-        return self._summing.sum_into(comm, share, out)
+        else:
+            self._codec.sum_into(comm, share, out)
+        return BucketResult(out, *sent)
 
-    def share(self, index: int, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """Bucket ``index``'s Δ/P from the members' values after, then before, the update."""
-        bucket = self.plan[index]
-        count = len(bucket.members)
+    def pack(self, bucket: buckets_lib.Bucket, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """The bucket's Δ/P from its members' values after and before the update (``arrays``:
+        after, before of each member in turn)."""
         own = self._buffer(bucket.num_elements, bucket.payload_dtype)
-        for after, before, part in zip(arrays[:count], arrays[count:],
+        for after, before, part in zip(arrays[::2], arrays[1::2],
                                        buckets_lib.member_slices(bucket.sizes)):
             host_kernels.scaled_difference(after, before, own[part], 1.0 / self.num_replicas)
         with self._lock:
-            self._own[index].append(own)
+            self._own[bucket.index].append(own)
         return own
+
+    def outputs(self, bucket: buckets_lib.Bucket) -> list[tuple[tf.DType, list]]:
+        return [(tf.bool, [1])]
+
+    def receive(self, group, bucket: buckets_lib.Bucket) -> list[np.ndarray]:
+        return [self.refresh(bucket.index)]
+
+    def finish(self, bucket, outputs, inputs) -> list[None]:
+        """Assigns the refreshed values when late updates were due (a tf.cond)."""
+        [due] = outputs
+        tf.cond(due[0], functools.partial(assign_refreshed, self, bucket, self.variables),
+                lambda: None)
+        return [None] * len(bucket.members)
 
     def _take(self, index: int, result: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Matches the next ``result`` with its own share, recording how late it is applied."""
@@ -147,9 +187,10 @@ class _DeltaExchange:
         return result, own
 
     def refresh(self, index: int) -> np.ndarray:
-        """Step t of bucket ``index``: if step t−s's late updates are not applied yet, waits
-        for them, takes those of every later step already completed (for
-        ``refreshed_values``) and returns ``[True]``; else ``[False]``."""
+        """TF thread, in bucket ``index``'s collect op at step t: if step t−s's late updates
+        are not applied yet, waits for them (at most the collective timeout each), takes those
+        of every later step already completed (for ``refreshed_values``) and returns
+        ``[True]``; else ``[False]``."""
         with self._lock:
             step = self._steps[index]
             self._steps[index] += 1
@@ -174,7 +215,7 @@ class _DeltaExchange:
         results, owns = zip(*due)
         refreshed = []
         for value, part in zip(values, buckets_lib.member_slices(self.plan[index].sizes)):
-            out = graph_ops.aligned_empty(value.size, value.dtype)
+            out = buckets_lib.aligned_empty(value.size, value.dtype)
             host_kernels.sum_of_differences([r[part] for r in results], [o[part] for o in owns],
                                             self._own_scale, out, value.reshape(-1))
             refreshed.append(out)
@@ -225,19 +266,17 @@ class SSPStats:
                     "blocked_on_bound_s": self.blocked_s}
 
 
-class SSPSynchronizer(Synchronizer):
-    """mode="ssp" with staleness s ≥ 1; see the module docstring."""
+class SSPImpl(AlgorithmImpl):
+    """``SSP(staleness=s)`` with s >= 1 at runtime; see the module docstring."""
 
-    lockstep = False
-
-    def __init__(self, engine, sequencer, config, num_replicas):
-        super().__init__(engine, sequencer, config, num_replicas)
-        if config.bucket_bytes is None:
+    def __init__(self, context: AlgorithmContext, staleness: int):
+        super().__init__(context)
+        if context.config.bucket_bytes is None:
             # The exchange starts after the update, so nothing overlaps backprop: small buckets
-            # would only add op and MPI calls per step (measured: one bucket per dtype is ~3%
-            # faster on bench_ssp's MLP). An explicit bucket_bytes is kept.
+            # would only add op and MPI calls per step (docs/ssp.md). An explicit bucket_bytes
+            # is kept.
             self.bucket_bytes = self.first_bucket_bytes = sys.maxsize
-        self.staleness = config.staleness
+        self.staleness = staleness
         self._exchanges: dict[tuple, _DeltaExchange] = {}
         self._before: list[tf.Tensor] | None = None
         self.ssp_stats = SSPStats()
@@ -259,17 +298,8 @@ class SSPSynchronizer(Synchronizer):
             raise RuntimeError("tf_poseidon SSP: the optimizer update was not preceded by "
                                "this step's gradient reduction (a custom optimizer path?).")
         exchange = self._exchange_for(variables)
-        after = [tf.identity(v) for v in variables]
-        tokens = [graph_ops.enqueue(self.engine, exchange.group, b.index,
-                                    [after[i] for i in b.members] +
-                                    [before[i] for i in b.members],
-                                    self.sequencer, functools.partial(exchange.share, b.index))
-                  for b in exchange.plan]
-        for b in exchange.plan:
-            [due] = graph_ops.collect(exchange.group, b.index, tokens, np.bool_, [1],
-                                      self.sequencer, exchange.refresh)
-            tf.cond(due[0], functools.partial(assign_refreshed, exchange, b, variables),
-                    lambda: None)
+        inputs = [[tf.identity(v), b] for v, b in zip(variables, before)]
+        graph_ops.run_buckets(self.engine, self.sequencer, exchange.group, inputs)
 
     def _exchange_for(self, variables) -> _DeltaExchange:
         # One exchange per set of variables, kept across retraces (a short last batch retraces
@@ -277,8 +307,8 @@ class SSPSynchronizer(Synchronizer):
         key = tuple((v.name, tuple(v.shape.as_list())) for v in variables)
         if key not in self._exchanges:
             self._exchanges[key] = _DeltaExchange(
-                "ssp_deltas", self.summing, self.plan_buckets(variables), variables,
-                self.staleness, self.num_replicas, self.ssp_stats)
+                "ssp_deltas", self.codec, variables, self.plan_buckets, self.staleness,
+                self.num_replicas, self.ssp_stats)
         return self._exchanges[key]
 
     def drain(self) -> None:

@@ -8,8 +8,9 @@ and export:
 
 * synchronous (``easgd_async=False``; every rank keeps a copy of c, no server): on the same
   steps on every rank, d_p = α(x_p − c); x_p ← x_p − d_p; c ← c + Σ_p d_p, one all-reduce of
-  the d_p through the engine (in buckets, like gradients). Needs α·P < 1 (config.py): the
-  center moves by α·P times the ranks' mean distance from it per period.
+  the d_p through the engine (in buckets, like gradients). Needs α·P < 1
+  (:meth:`EASGD.validate`; the default α is 0.9/P): the center moves by α·P times the ranks'
+  mean distance from it per period.
 * asynchronous (``easgd_async=True``; Theano-MPI's form): c lives with a holder thread on rank
   0 (easgd_center.py); each rank, every τ of its *own* steps, exchanges with it alone:
   d = α(x_p − c); x_p ← x_p − d; c ← c + d. No rank waits for another during training.
@@ -41,9 +42,14 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon.comm import collectives, graph_ops
-from tf_poseidon.sync import easgd_center
-from tf_poseidon.sync.base import Synchronizer, variable_names
+from tf_poseidon.algorithms import easgd_center
+from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
+                                         items_of, variable_names)
+from tf_poseidon.algorithms.registry import register
+from tf_poseidon.comm import codecs, graph_ops
+from tf_poseidon.comm.collectives import as_mpi_buffer
+from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.comm.protocol import AllReduce
 
 
 @dataclasses.dataclass
@@ -64,8 +70,76 @@ class _Group:
         return sum(self.sizes)
 
 
-class EASGDSynchronizer(Synchronizer):
-    """mode="easgd": local steps, and an elastic move towards the center every τ steps.
+ASYNC_DEFAULT_ALPHA = 0.5  # Theano-MPI's
+SYNC_DEFAULT_ALPHA_TIMES_P = 0.9  # Zhang et al.'s β = α·P
+
+
+@register
+class EASGD(Algorithm):
+    """Elastic averaging SGD: local steps, and every ``tau`` steps an elastic move of moving
+    rate ``alpha`` towards the center (module docstring; docs/easgd.md).
+
+    Args:
+      tau: the period in steps, an int >= 1.
+      alpha: the moving rate in (0, 1]. Default: 0.9/P for the synchronous form (α·P = 0.9,
+        Zhang et al.'s β; the synchronous form needs α·P < 1), 0.5 for the asynchronous one.
+      easgd_async: the asynchronous form (a center holder on rank 0) instead of the
+        synchronous one.
+    """
+
+    name = "easgd"
+    lockstep = False
+
+    def __init__(self, tau: int = 1, alpha: float | None = None, easgd_async: bool = False):
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"PoseidonStrategy: tau={tau!r} is not valid; the EASGD "
+                             "period must be an integer >= 1 (steps between elastic moves).")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                                  or not 0.0 < alpha <= 1.0):
+            raise ValueError(f"PoseidonStrategy: alpha={alpha!r} is not valid; the EASGD "
+                             "moving rate must be a number in (0, 1].")
+        if not isinstance(easgd_async, bool):
+            raise ValueError(f"PoseidonStrategy: easgd_async={easgd_async!r} is not "
+                             "valid; allowed values are True and False.")
+        self.tau, self.alpha, self.easgd_async = tau, alpha, easgd_async
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.easgd_async
+
+    def options(self) -> dict:
+        return {"tau": self.tau, "alpha": self.alpha, "easgd_async": self.easgd_async}
+
+    def alpha_for(self, num_replicas: int) -> float:
+        """The moving rate used on ``num_replicas`` ranks (the given one, or the default)."""
+        if self.alpha is not None:
+            return float(self.alpha)
+        if self.easgd_async:
+            return ASYNC_DEFAULT_ALPHA
+        return SYNC_DEFAULT_ALPHA_TIMES_P / max(num_replicas, 1)
+
+    def validate(self, num_replicas: int) -> None:
+        """Synchronous EASGD moves the center by α·P times the ranks' mean distance from it
+        each period: α·P must be < 1 (Zhang et al.'s β = α·P), or it overshoots and
+        oscillates."""
+        alpha = self.alpha_for(num_replicas)
+        if self.easgd_async or num_replicas < 2 or alpha * num_replicas < 1.0:
+            return
+        raise ValueError(
+            f"PoseidonStrategy: alpha={alpha!r} is not valid for synchronous EASGD on "
+            f"{num_replicas} ranks: alpha·P = {alpha * num_replicas:g}, and it must be < 1 "
+            "(each period the center moves by alpha·P times the ranks' mean distance from it; "
+            f"at 1 or more it jumps to or past their mean and oscillates). Use alpha < "
+            f"1/{num_replicas}, e.g. alpha={0.9 / num_replicas:.3g} (alpha·P = 0.9, as Zhang "
+            "et al.; the default when alpha is not given), or easgd_async=True.")
+
+    def reify(self, context: AlgorithmContext) -> "EASGDImpl":
+        return EASGDImpl(context, self.tau, self.alpha_for(context.num_replicas),
+                         self.easgd_async)
+
+
+class EASGDImpl(AlgorithmImpl):
+    """``EASGD`` at runtime: local steps, and an elastic move towards the center every τ steps.
 
     Built by the strategy (lazily, while the first replica function is traced, on every rank
     at the same point). The asynchronous form duplicates the engine's communicator there (a
@@ -73,20 +147,18 @@ class EASGDSynchronizer(Synchronizer):
     on rank 0, creates the center holder.
     """
 
-    def __init__(self, engine, sequencer, config, num_replicas: int):
-        super().__init__(engine, sequencer, config, num_replicas)
-        self.tau = config.tau
-        self.alpha = float(config.alpha)
-        self.asynchronous = config.easgd_async
-        # Ranks meet only at elastic moves (sync form) or never (async), so the Keras
-        # integration keeps per-step metrics local: a per-step metric all-reduce would make
-        # every step wait for the slowest rank (see Synchronizer.lockstep).
-        self.lockstep = False
+    def __init__(self, context: AlgorithmContext, tau: int, alpha: float, asynchronous: bool):
+        super().__init__(context)
+        engine = context.engine
+        self.tau = tau
+        self.alpha = alpha
+        self.asynchronous = asynchronous
+        self._exact = AllReduce(codecs.get("none"))
         self._groups: dict[tuple, _Group] = {}
         self._swap_depth = 0
         self.counters = easgd_center.ExchangeCounters()
         self._holder = self._client = None
-        if self.asynchronous:
+        if asynchronous:
             from mpi4py import MPI
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError("tf_poseidon: asynchronous EASGD needs an MPI library with "
@@ -222,7 +294,7 @@ class EASGDSynchronizer(Synchronizer):
             for g in groups:
                 flat = holder.snapshot(g.index) if holder is not None \
                     else np.empty(g.num_elements, g.dtype)
-                comm.Bcast(collectives.as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
+                comm.Bcast(as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
                 flats.append(flat)
             return flats
         flats = self.engine.call(fetch)
@@ -249,10 +321,10 @@ class EASGDSynchronizer(Synchronizer):
         mine = [v.read_value() for v in group.variables]
         if self.engine.rank != 0:
             mine = [tf.zeros_like(x) for x in mine]
-        plan = self.plan_buckets(mine, backprop_order=False)
-        rank0 = graph_ops.bucketed_collective(self.engine, "easgd_reseed", mine, plan,
-                                              collectives.ALLREDUCE_SUM, self.sequencer,
-                                              group.names)
+        reseed = CollectiveGroup("easgd_reseed",
+                                 self.plan_buckets(items_of(mine, group.names), False),
+                                 {self._exact.kind: self._exact})
+        rank0 = graph_ops.run_buckets(self.engine, self.sequencer, reseed, [[x] for x in mine])
         for center, value in zip(group.centers, rank0):
             center.assign(value)
         group.reseed.assign(False)
@@ -262,12 +334,13 @@ class EASGDSynchronizer(Synchronizer):
         alpha = self.alpha
         differences = [tf.cast(alpha, v.dtype) * (v.read_value() - c.read_value())
                        for v, c in zip(group.variables, group.centers)]
-        plan = self.plan_buckets(differences, backprop_order=False)
         # May travel in 16 bits: summed in float32, the same result on every rank, so the
         # centers stay equal. The async exchange and the center's restart are never compressed.
-        total = graph_ops.bucketed_collective(self.engine, "easgd", differences, plan,
-                                              self.summing, self.sequencer,
-                                              group.names)
+        move = CollectiveGroup("easgd", self.plan_buckets(items_of(differences, group.names),
+                                                          False),
+                               {self.summing.kind: self.summing})
+        total = graph_ops.run_buckets(self.engine, self.sequencer, move,
+                                      [[d] for d in differences])
         for variable, center, d, summed in zip(group.variables, group.centers, differences,
                                                total):
             variable.assign_sub(d)

@@ -1,0 +1,77 @@
+"""The algorithm registry: ``mode=`` names to Algorithm classes, and the keyword form.
+
+``PoseidonStrategy(algorithm=tp.algorithms.SSP(staleness=2))`` passes an algorithm object;
+``PoseidonStrategy(mode="ssp", staleness=2)`` is the same through :func:`from_mode`, which finds
+the class registered under the name and gives it the knobs. A knob that belongs to another
+registered algorithm is checked by that algorithm (so a wrong value gets its message) and then
+refused with the mode it needs — except the values the keyword form always had as defaults
+(:data:`FORMER_DEFAULTS`), which scripts may pass with any mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from tf_poseidon.algorithms.base import Algorithm
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+
+FORMER_DEFAULTS = {"staleness": 0, "tau": 1, "alpha": 0.5, "easgd_async": False}
+"""Knob values ``PoseidonStrategy``'s keyword form passed for every mode before algorithms
+were objects; accepted with any mode, and ignored by the modes they do not belong to."""
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Registers ``cls`` under ``cls.name`` (usable as a class decorator); returns it.
+
+    Raises ValueError if the name is empty or taken by another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"tf_poseidon.algorithms.register takes an Algorithm subclass, got "
+                        f"{cls!r}")
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a class attribute 'name' to be registered")
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"an algorithm named {cls.name!r} is registered already")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> tuple[str, ...]:
+    """The registered ``mode=`` names, built-in ones first."""
+    return tuple(_REGISTRY)
+
+
+def knobs(cls: type[Algorithm]) -> tuple[str, ...]:
+    """The keyword arguments ``cls`` takes."""
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return tuple(p.name for p in parameters
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def from_mode(mode: str, **options) -> Algorithm:
+    """The algorithm ``mode`` names, built with ``options`` (its knobs).
+
+    Raises ValueError for an unknown mode (naming the registered ones), an invalid knob value
+    (the algorithm's own message), or a knob of another mode.
+    """
+    if mode not in _REGISTRY:
+        raise ValueError(f"PoseidonStrategy: mode={mode!r} is not valid; allowed values are "
+                         + ", ".join(repr(n) for n in _REGISTRY) + ".")
+    cls = _REGISTRY[mode]
+    own = {k: v for k, v in options.items() if k in knobs(cls)}
+    for name, value in options.items():
+        if name in own:
+            continue
+        owner = next((other for other in _REGISTRY.values() if name in knobs(other)), None)
+        if owner is None:
+            raise ValueError(f"PoseidonStrategy: unknown argument {name}={value!r}; the "
+                             f"options of mode={mode!r} are "
+                             + (", ".join(knobs(cls)) or "none") + ".")
+        owner(**{name: value})  # its own checks and message for a wrong value
+        if FORMER_DEFAULTS.get(name, object()) == value and type(value) is \
+                type(FORMER_DEFAULTS[name]):
+            continue
+        raise ValueError(f"PoseidonStrategy: {name}={value!r} needs mode={owner.name!r} "
+                         f"(mode is {mode!r}).")
+    return cls(**own)

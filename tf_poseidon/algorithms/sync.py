@@ -1,0 +1,130 @@
+"""Bulk synchronous parallel (``mode="sync"``, the default): every step, every rank applies Σ_p g_p.
+
+With compression "none", P ranks at global batch B give the weights of one process at batch B,
+up to float summation order. With a 16-bit codec the sum travels in 16 bits and is accumulated
+in float32 (comm/codecs.py).
+
+Per gradient, the protocol that carries it is the per-layer plan's choice (sacp/plan.py): Dense
+kernels may travel as sufficient factors (``sfb="auto"|"always"``; sfb/), every other gradient
+is all-reduced. While the replica function is traced, Dense layers record their factors
+(:meth:`SyncImpl.tracing_replica_function`); at the reduction all gradients — summed ones and
+factors — go into one group of buckets in backprop order (graph_ops.run_buckets), and the
+kernels sent by SFB are rebuilt from every rank's factors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import tensorflow as tf
+
+from tf_poseidon.algorithms import batch_share
+from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
+                                         variable_names)
+from tf_poseidon.algorithms.registry import register
+from tf_poseidon.comm import buckets as buckets_lib, graph_ops
+from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.sacp import plan as plan_lib
+from tf_poseidon.sfb import capture, protocol as sfb_protocol
+
+
+@register
+class Sync(Algorithm):
+    """Every rank applies the sum of all ranks' gradients each step (BSP); no knobs."""
+
+    name = "sync"
+
+    def reify(self, context: AlgorithmContext) -> "SyncImpl":
+        return SyncImpl(context)
+
+
+class SyncImpl(AlgorithmImpl):
+    """Sums the gradients of all ranks through the engine, in buckets (comm/buckets.py)."""
+
+    def __init__(self, context: AlgorithmContext):
+        super().__init__(context)
+        self._overlap = context.config.overlap
+        self._sessions: list[capture.CaptureSession] = []  # traced replica functions
+        self._planner = plan_lib.Planner(self.engine, context.config, self.num_replicas)
+        self._protocols = {self.summing.kind: self.summing,
+                           sfb_protocol.KIND: sfb_protocol.SfbProtocol(self.codec)}
+
+    def tracing_replica_function(self):
+        """Captures Dense layers' factors while the replica function is traced (unless
+        sfb="never"). Called by the strategy on the tracing thread; never blocks."""
+        if self.config.sfb == "never":
+            return contextlib.nullcontext()
+        return self._capturing()
+
+    @contextlib.contextmanager
+    def _capturing(self):
+        session = capture.CaptureSession()
+        self._sessions.append(session)
+        try:
+            with capture.capturing(session):
+                yield
+        finally:
+            self._sessions.remove(session)
+
+    def plan(self) -> plan_lib.Plan | None:
+        return self._planner.plan
+
+    def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
+                         local_batch: tf.Tensor | None) -> list[tf.Tensor]:
+        """Returns Σ_p g_p for each gradient (same shapes and dtypes); replica context.
+
+        With ``local_batch`` (this rank's example count in the step), each rank's gradient is
+        weighted by its share of the global batch (batch_share.py). Blocking: in a graph, the
+        returned tensors' ops block until the sums are there; eagerly, the call blocks. The
+        first trace that captured Dense layers agrees the per-layer plan with the other ranks
+        (a collective, blocking until every rank reaches it).
+        """
+        session = self._sessions[-1] if self._sessions else None
+        choices = self._planner.choose(session, grads, variables)
+        names = variable_names(variables)
+        weight = batch_share.Weighting(local_batch, self.num_replicas) if local_batch is not None else None
+        items, inputs = [], []
+        for grad, variable, name, (match, row) in zip(grads, variables, names, choices):
+            if row is not None and row.choice == plan_lib.SFB:
+                factors = match.factors
+                if factors is None:
+                    raise RuntimeError(f"tf_poseidon SFB: the plan sends {name} by SFB but "
+                                       "this rank captured no factors for it.")
+                items.append(sfb_protocol.item(name, match.m, match.n, row.local_batch))
+                # Weighting V by n_p weights the rebuilt gradient as batch_share weights g.
+                inputs.append([factors.u, factors.v if weight is None
+                               else weight.apply(factors.v)])
+            else:
+                value = _with_static_shape(grad, variable)
+                items.append(buckets_lib.Item.of(value, name))
+                inputs.append([value if weight is None else weight.apply(value)])
+        if weight is not None:
+            items.append(buckets_lib.Item.of(weight.count, "batch_share"))
+            inputs.append([weight.count])
+        wait_for = [t for member in inputs for t in member] if not self._overlap else []
+        group = CollectiveGroup("gradients", self.plan_buckets(items), self._protocols)
+        results = graph_ops.run_buckets(self.engine, self.sequencer, group, inputs, wait_for)
+        factor = weight.unweighting(results.pop()) if weight is not None else None
+        reduced = []
+        for grad, (match, row), result in zip(grads, choices, results):
+            if not isinstance(result, sfb_protocol.GatheredFactors):
+                reduced.append(result if factor is None
+                               else result * tf.cast(factor, result.dtype))
+                continue
+            value = sfb_protocol.reconstruct(result, grad.shape, grad.dtype,
+                                             1.0 if factor is None else factor)
+            if match.extra:
+                # Parts equal on every rank (a regularizer's gradient): the sum over ranks
+                # of each rank's (batch-share weighted) copy is exactly P times it.
+                value += tf.cast(self.num_replicas, grad.dtype) * tf.add_n(match.extra)
+            reduced.append(value)
+        return reduced
+
+
+def _with_static_shape(grad: tf.Tensor, variable: tf.Variable) -> tf.Tensor:
+    """``grad`` with its variable's static shape where TensorFlow lost it (the kernel gradient
+    of a Dense layer on 3-D input with a dynamic batch arrives as [None, N])."""
+    if not grad.shape.is_fully_defined() and variable.shape.is_fully_defined():
+        return tf.reshape(grad, variable.shape)
+    return grad
