@@ -48,11 +48,14 @@ def train(args: argparse.Namespace) -> float:
     """Trains under PoseidonStrategy with ``args``; returns the test accuracy (global)."""
     keras.utils.set_random_seed(args.seed)
     x_train, y_train, x_test, y_test = load_data(args.seed)
-    # EASGD's moving rate: 0.9/P unless given (the synchronous form needs alpha·P < 1).
-    alpha = args.alpha if args.alpha is not None else 0.9 / tp.size()
-    strategy = tp.PoseidonStrategy(mode=args.mode, compression=args.compression,
-                                   staleness=args.staleness, tau=args.tau, alpha=alpha,
-                                   easgd_async=args.easgd_async)
+    algorithm = {
+        "sync": lambda: tp.algorithms.Sync(),
+        "ssp": lambda: tp.algorithms.SSP(staleness=args.staleness),
+        # alpha=None: 0.9/P for the synchronous form (it needs alpha·P < 1), 0.5 for async.
+        "easgd": lambda: tp.algorithms.EASGD(tau=args.tau, alpha=args.alpha,
+                                             easgd_async=args.easgd_async),
+    }[args.mode]()
+    strategy = tp.PoseidonStrategy(algorithm, compression=args.compression)
     with strategy.scope():
         model = build_model()
         model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),

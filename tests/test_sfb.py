@@ -151,7 +151,9 @@ def test_sfb_sends_fewer_bytes_per_step(p2):
 def test_factor_bytes_follow_the_formula(p2):
     step = stats(p2, "functional/always/rows640/buckets10000/nooverlap")["steps"][-1]
     by_layer = {tuple(b["layers"]): b["bytes_sent"] for b in step["buckets"]}
-    header = lambda layers: 3 * layers * 8  # noqa: E731  row counts and scales, float64
+    # Row counts, float64; uncompressed factors carry no codec metadata (a codec with a scale
+    # adds 2 · 8 bytes per layer).
+    header = lambda layers: layers * 8  # noqa: E731
     assert by_layer[("logits/kernel",)] == 16 * (192 + 5) * 4 + header(1)
     assert by_layer[("hidden2/kernel",)] == 16 * (192 + 192) * 4 + header(1)
 

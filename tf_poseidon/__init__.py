@@ -26,17 +26,20 @@ _placement.configure_process(_world.world())
 __version__ = "0.1.0"
 
 __all__ = ["PoseidonStrategy", "WorldError", "rank", "size", "local_rank", "local_size",
-           "is_chief", "ops", "callbacks", "export_for_serving"]
+           "is_chief", "algorithms", "codecs", "ops", "callbacks", "export_for_serving"]
 
-# attribute -> module it comes from (None: the attribute is the submodule itself)
-_LAZY = {"PoseidonStrategy": "tf_poseidon.strategy", "ops": None, "callbacks": None,
-         "export_for_serving": "tf_poseidon.export"}
+# attribute -> (module it comes from, name in it; None: the attribute is the module itself)
+_LAZY = {"PoseidonStrategy": ("tf_poseidon.strategy", "PoseidonStrategy"),
+         "algorithms": ("tf_poseidon.algorithms", None),
+         "codecs": ("tf_poseidon.comm.codecs", None),
+         "ops": ("tf_poseidon.ops", None),
+         "callbacks": ("tf_poseidon.callbacks", None),
+         "export_for_serving": ("tf_poseidon.export", "export_for_serving")}
 
 
 def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module 'tf_poseidon' has no attribute {name!r}")
-    module = _LAZY[name]
-    if module is None:
-        return importlib.import_module(f"tf_poseidon.{name}")
-    return getattr(importlib.import_module(module), name)
+    module, attribute = _LAZY[name]
+    module = importlib.import_module(module)
+    return module if attribute is None else getattr(module, attribute)

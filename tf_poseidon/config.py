@@ -32,12 +32,13 @@ class StrategyConfig:
     overlap: bool
     timeline: str | None
     bandwidth_gbps: float | None
+    sync_batchnorm: bool
 
     def __init__(self, algorithm: Algorithm | str | None = None, *, mode: str | None = None,
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 **algorithm_options):
+                 sync_batchnorm: bool = False, **algorithm_options):
         from tf_poseidon import world
         if isinstance(algorithm, str):
             algorithm, mode = None, _one_mode(algorithm, mode)
@@ -73,9 +74,17 @@ class StrategyConfig:
             raise ValueError(f"PoseidonStrategy: bandwidth_gbps={bandwidth_gbps!r} is not "
                              "valid; it must be None (measure it) or a positive number of "
                              "Gbit/s per rank.")
+        if not isinstance(sync_batchnorm, bool):
+            raise ValueError(f"PoseidonStrategy: sync_batchnorm={sync_batchnorm!r} is not "
+                             "valid; allowed values are True and False.")
+        if sync_batchnorm and not algorithm.lockstep:
+            raise ValueError(f"PoseidonStrategy: sync_batchnorm=True needs an algorithm whose "
+                             f"ranks step together (mode='sync'); {algorithm!r} lets ranks run "
+                             "ahead of each other, and global batch statistics would make "
+                             "every step wait for the slowest rank.")
         values = dict(algorithm=algorithm, codec=codecs.get(compression), sfb=sfb,
                       bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
-                      bandwidth_gbps=bandwidth_gbps)
+                      bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-ten Keras functions; each wrapper acts only when the current strategy is a
+eleven Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -23,7 +23,12 @@ original unchanged:
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
   only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
   keep the TensorFlow convention instead (``tf.nn.compute_average_loss(per_example_loss,
-  global_batch_size=B)`` is exact as it is) and get plain sums;
+  global_batch_size=B)`` is exact as it is) and get plain sums. At the end of the step the
+  model's non-trainable state (BatchNormalization's moving statistics) is made equal on every
+  rank (``strategy.extended.synchronize_state``; batchnorm.py);
+* ``BatchNormalization._moments`` uses the global batch's statistics (batchnorm.global_moments)
+  for layers built with ``synchronized=True`` and for every layer under
+  ``PoseidonStrategy(sync_batchnorm=True)``;
 * ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
   variables, so logs, progress bars and ``History`` show the global values one process would
   show for the same global batch (true for every Keras metric whose state is a set of sums:
@@ -49,10 +54,12 @@ from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.trainers import trainer as keras_trainer
 
+from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
 
 _strategy_class: type | None = None  # PoseidonStrategy, once installed
@@ -133,7 +140,21 @@ def _train_step(original):
             return original(self, data)
         local_batch = data_lib.batch_size_of(data)
         with tf.distribute.get_replica_context().weighting_by_batch_share(local_batch):
-            return original(self, data)
+            logs = original(self, data)
+            extended.synchronize_state(self, local_batch)
+        return logs
+    return wrapper
+
+
+def _batchnorm_moments(original):
+    def wrapper(self, inputs, mask):
+        extended = _poseidon_extended()
+        context = tf.distribute.get_replica_context()
+        if (extended is None or context is None or mask is not None
+                or not (self.synchronized or extended.config.sync_batchnorm)):
+            return original(self, inputs, mask)
+        return batchnorm.global_moments(extended, inputs, self._reduction_axes,
+                                        getattr(context, "local_batch", None))
     return wrapper
 
 
@@ -202,6 +223,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
+    _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)

@@ -29,6 +29,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util
 
+from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
 from tf_poseidon import initial_sync
 from tf_poseidon import keras_integration
@@ -76,6 +77,11 @@ class PoseidonStrategy(distribute_lib.Strategy):
       bandwidth_gbps: the network bandwidth per rank in Gbit/s that the SFB cost model
         assumes; None (default) measures it with a short probe when a train step is first
         traced (see :meth:`plan`).
+      sync_batchnorm: BatchNormalization layers normalize with the statistics of the global
+        batch (exact: P ranks train like one process; two small collectives per BN layer and
+        step), as ``BatchNormalization(synchronized=True)`` does for one layer. False (default):
+        each rank's own batch statistics, with the moving statistics combined across ranks
+        after every step (tf_poseidon/batchnorm.py).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -86,10 +92,11 @@ class PoseidonStrategy(distribute_lib.Strategy):
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 **algorithm_options):
+                 sync_batchnorm: bool = False, **algorithm_options):
         config = StrategyConfig(algorithm, mode=mode, compression=compression, sfb=sfb,
                                 bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
-                                bandwidth_gbps=bandwidth_gbps, **algorithm_options)
+                                bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm,
+                                **algorithm_options)
         if timeline:
             os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))
@@ -174,6 +181,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         self._num_synced = 0
         self._replica_scope = _ReplicaScope()
         self._algorithm_impl: AlgorithmImpl | None = None
+        self._state_to_combine: dict = {}  # ref -> variable, for algorithms not in lockstep
         self.sequencer = graph_ops.Sequencer() if self._world.size > 1 else None
 
     # -- world --------------------------------------------------------------------------
@@ -223,10 +231,12 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
         Call it on every rank (it may be collective). Sync mode: they always do. SSP applies
         the pending updates (a drain); EASGD swaps the center variables in and restores the
-        local ones on exit. Checkpoint and export code (callbacks.py, export.py) uses it.
+        local ones on exit; algorithms not in lockstep combine the non-trainable state first.
+        Checkpoint and export code (callbacks.py, export.py) uses it.
         """
         if not self._distributed:
             return contextlib.nullcontext()
+        batchnorm.combine_state(self, list(self._state_to_combine.values()), None)
         return self.algorithm_impl.consistent_state()
 
     # -- variables ----------------------------------------------------------------------
@@ -278,12 +288,14 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
                          variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
         """Replica context: the gradients every rank applies, per the strategy's algorithm.
 
-        Called by the Keras optimizer integration with the local gradients (dense, static
-        shapes) of ``variables``. Sync: Σ_p g_p, weighted by batch share when the replica
+        Called by the Keras optimizer integration with the local gradients of ``variables``
+        (dense with static shapes, or ``IndexedSlices`` of embeddings, which may come back as
+        IndexedSlices: see algorithms/sync.py). Sync: Σ_p g_p, weighted by batch share when the replica
         context carries this replica's example count (``_PoseidonReplicaContext.local_batch``,
         set by Keras' train step integration).
         """
-        grads = [tf.convert_to_tensor(g) for g in grads]
+        grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
+                 for g in grads]
         if not self._distributed:
             return grads
         context = tf.distribute.get_replica_context()
@@ -297,13 +309,31 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             self.algorithm_impl.after_update(variables)
 
     def drain(self) -> None:
-        """Every rank, eagerly: applies every pending update (SSP), so replicas agree."""
+        """Every rank, eagerly: applies every pending update (SSP) and combines the models'
+        non-trainable state (algorithms not in lockstep), so replicas agree."""
         if self._distributed:
             self.algorithm_impl.drain()
+            batchnorm.combine_state(self, list(self._state_to_combine.values()), None)
+
+    def synchronize_state(self, model, local_batch: tf.Tensor | None) -> None:
+        """Replica context, at the end of a training step (keras_integration's train step):
+        the model's non-trainable float variables (BatchNormalization's moving statistics)
+        become equal on every rank, weighted by row count (batchnorm.combine_state: one small
+        collective). Algorithms whose ranks do not step together combine them when they drain
+        instead (at the end of ``fit``, before evaluating, predicting and saving)."""
+        if not self._distributed:
+            return
+        variables = batchnorm.state_variables(model)
+        if self.config.algorithm.lockstep:
+            batchnorm.combine_state(self, variables, local_batch)
+        else:
+            self._state_to_combine.update((v.ref(), v) for v in variables)
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """Replica context: exact SUM or MEAN of ``value`` (a flat list) over all ranks."""
         del options
+        if not self._distributed:
+            return list(value)  # IndexedSlices stay sparse, as without a strategy
         flat = [tf.convert_to_tensor(v) for v in value]
         return self._all_reduce_exact(reduce_op, flat, name="all_reduce")
 

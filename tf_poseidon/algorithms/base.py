@@ -144,7 +144,11 @@ class AlgorithmImpl:
         factor = tf.constant(float(self.num_replicas))
         if local_batch is not None:
             factor = tf.where(local_batch > 0, factor, 0.0)
-        return [tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype)) for g in grads]
+
+        def scaled(g):
+            return tf.math.multiply_no_nan(g, tf.cast(factor, g.dtype))
+        return [tf.IndexedSlices(scaled(g.values), g.indices, g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else scaled(g) for g in grads]
 
 
 def variable_names(variables: Sequence[tf.Variable]) -> list[str]:

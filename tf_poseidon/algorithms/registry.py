@@ -3,14 +3,17 @@
 ``PoseidonStrategy(algorithm=tp.algorithms.SSP(staleness=2))`` passes an algorithm object;
 ``PoseidonStrategy(mode="ssp", staleness=2)`` is the same through :func:`from_mode`, which finds
 the class registered under the name and gives it the knobs. A knob that belongs to another
-registered algorithm is checked by that algorithm (so a wrong value gets its message) and then
-refused with the mode it needs — except the values the keyword form always had as defaults
-(:data:`FORMER_DEFAULTS`), which scripts may pass with any mode.
+registered algorithm is checked by that algorithm (so a wrong value gets its message); then,
+as the keyword form always did, it is accepted and ignored — silently at the value the keyword
+form had as its default (:data:`FORMER_DEFAULTS`: scripts pass every knob whatever the mode),
+with a warning naming its mode otherwise — except ``staleness`` > 0, which asks for SSP and is
+refused outside ``mode="ssp"``.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 
 from tf_poseidon.algorithms.base import Algorithm
 
@@ -52,8 +55,9 @@ def knobs(cls: type[Algorithm]) -> tuple[str, ...]:
 def from_mode(mode: str, **options) -> Algorithm:
     """The algorithm ``mode`` names, built with ``options`` (its knobs).
 
-    Raises ValueError for an unknown mode (naming the registered ones), an invalid knob value
-    (the algorithm's own message), or a knob of another mode.
+    Raises ValueError for an unknown mode (naming the registered ones), an unknown knob, an
+    invalid knob value (the algorithm's own message), or staleness > 0 outside mode="ssp";
+    warns of another mode's knob, which it ignores.
     """
     if mode not in _REGISTRY:
         raise ValueError(f"PoseidonStrategy: mode={mode!r} is not valid; allowed values are "
@@ -72,6 +76,10 @@ def from_mode(mode: str, **options) -> Algorithm:
         if FORMER_DEFAULTS.get(name, object()) == value and type(value) is \
                 type(FORMER_DEFAULTS[name]):
             continue
-        raise ValueError(f"PoseidonStrategy: {name}={value!r} needs mode={owner.name!r} "
-                         f"(mode is {mode!r}).")
+        if name == "staleness":
+            raise ValueError(f"PoseidonStrategy: staleness={value!r} needs mode='ssp' "
+                             f"(mode is {mode!r}).")
+        warnings.warn(f"PoseidonStrategy: {name}={value!r} is an option of "
+                      f"mode={owner.name!r}; mode={mode!r} ignores it.", UserWarning,
+                      stacklevel=3)
     return cls(**own)

@@ -5,8 +5,9 @@ up to float summation order. With a 16-bit codec the sum travels in 16 bits and 
 in float32 (comm/codecs.py).
 
 Per gradient, the protocol that carries it is the per-layer plan's choice (sacp/plan.py): Dense
-kernels may travel as sufficient factors (``sfb="auto"|"always"``; sfb/), every other gradient
-is all-reduced. While the replica function is traced, Dense layers record their factors
+kernels may travel as sufficient factors (``sfb="auto"|"always"``; sfb/), embeddings' sparse
+gradients (``IndexedSlices``) as the rows each rank looked up (comm/sparse.py) when that is
+fewer bytes, every other gradient is all-reduced. While the replica function is traced, Dense layers record their factors
 (:meth:`SyncImpl.tracing_replica_function`); at the reduction all gradients — summed ones and
 factors — go into one group of buckets in backprop order (graph_ops.run_buckets), and the
 kernels sent by SFB are rebuilt from every rank's factors.
@@ -23,7 +24,7 @@ from tf_poseidon.algorithms import batch_share
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
                                          variable_names)
 from tf_poseidon.algorithms.registry import register
-from tf_poseidon.comm import buckets as buckets_lib, graph_ops
+from tf_poseidon.comm import buckets as buckets_lib, graph_ops, sparse
 from tf_poseidon.comm.engine import CollectiveGroup
 from tf_poseidon.sacp import plan as plan_lib
 from tf_poseidon.sfb import capture, protocol as sfb_protocol
@@ -48,7 +49,8 @@ class SyncImpl(AlgorithmImpl):
         self._sessions: list[capture.CaptureSession] = []  # traced replica functions
         self._planner = plan_lib.Planner(self.engine, context.config, self.num_replicas)
         self._protocols = {self.summing.kind: self.summing,
-                           sfb_protocol.KIND: sfb_protocol.SfbProtocol(self.codec)}
+                           sfb_protocol.KIND: sfb_protocol.SfbProtocol(self.codec),
+                           sparse.KIND: sparse.SparseProtocol(self.codec)}
 
     def tracing_replica_function(self):
         """Captures Dense layers' factors while the replica function is traced (unless
@@ -72,7 +74,9 @@ class SyncImpl(AlgorithmImpl):
 
     def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
                          local_batch: tf.Tensor | None) -> list[tf.Tensor]:
-        """Returns Σ_p g_p for each gradient (same shapes and dtypes); replica context.
+        """Returns Σ_p g_p for each gradient (same shapes and dtypes; an ``IndexedSlices``
+        gradient sent as sparse rows comes back as the IndexedSlices of every rank's rows, in
+        rank order); replica context.
 
         With ``local_batch`` (this rank's example count in the step), each rank's gradient is
         weighted by its share of the global batch (batch_share.py). Blocking: in a graph, the
@@ -86,6 +90,14 @@ class SyncImpl(AlgorithmImpl):
         weight = batch_share.Weighting(local_batch, self.num_replicas) if local_batch is not None else None
         items, inputs = [], []
         for grad, variable, name, (match, row) in zip(grads, variables, names, choices):
+            if isinstance(grad, tf.IndexedSlices):
+                if row is not None and row.choice == plan_lib.SPARSE:
+                    rows, width = row.shape
+                    items.append(sparse.item(name, rows, width, row.local_batch))
+                    indices, values = sparse.inputs_of(grad, width)
+                    inputs.append([indices, values if weight is None else weight.apply(values)])
+                    continue
+                grad = tf.convert_to_tensor(grad)  # the plan's choice: the dense all-reduce
             if row is not None and row.choice == plan_lib.SFB:
                 factors = match.factors
                 if factors is None:
@@ -108,6 +120,11 @@ class SyncImpl(AlgorithmImpl):
         factor = weight.unweighting(results.pop()) if weight is not None else None
         reduced = []
         for grad, (match, row), result in zip(grads, choices, results):
+            if isinstance(result, tf.IndexedSlices):
+                values = result.values if factor is None else result.values * factor
+                reduced.append(tf.IndexedSlices(tf.cast(values, grad.dtype), result.indices,
+                                                result.dense_shape))
+                continue
             if not isinstance(result, sfb_protocol.GatheredFactors):
                 reduced.append(result if factor is None
                                else result * tf.cast(factor, result.dtype))

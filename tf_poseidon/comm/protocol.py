@@ -48,13 +48,14 @@ class BucketCall:
 
 @dataclasses.dataclass(frozen=True)
 class BucketResult:
-    """What a protocol's ``run`` returns: the value for the collect op and what it moved.
+    """What a protocol's ``run`` returns: the value its ``receive`` gets (an array, or what
+    the protocol's own ``receive`` expects) and what it moved.
 
     ``item_bytes``, when given, replaces the items' planned payload bytes in the statistics
     (for protocols whose sizes are known only when they run).
     """
 
-    value: np.ndarray
+    value: Any
     bytes_sent: float
     bytes_received: float
     item_bytes: tuple[int, ...] | None = None

@@ -1,4 +1,5 @@
-"""The cost model: per Dense layer, all-reduce or sufficient factors, and the rates it uses.
+"""The cost model: per layer, all-reduce or another protocol (sufficient factors for Dense
+kernels, sparse rows for embeddings), and the rates it uses.
 
 For a kernel W of M×N, local batch K, P ranks and b bytes per element on the wire:
 
@@ -69,6 +70,29 @@ def layer_cost(m: int, n: int, k: int, num_replicas: int, element_bytes: int,
     time_sfb = (bytes_sfb / rates.bandwidth_bytes_s + 2 * m * n * p * k / rates.flops_s
                 + 2 * rates.latency_s + SFB_OVERHEAD_S)
     return LayerCost(bytes_ar, bytes_sfb, time_ar, time_sfb)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseCost:
+    bytes_allreduce: float  # per rank, sent (= received) per step
+    bytes_sparse: float
+    time_allreduce_s: float
+    time_sparse_s: float
+
+
+def sparse_cost(rows: int, width: int, lookups: int, num_replicas: int, element_bytes: float,
+                rates: Rates | None) -> SparseCost:
+    """An embedding table of ``rows``×``width`` whose step looks up ``lookups`` rows per rank:
+    the dense all-reduce (``2(P-1)/P·rows·width·b``) against gathering every rank's looked-up
+    rows with their indices (``(P-1)·lookups·(width·b + 8)``, two rounds: sizes, then rows).
+    Times are NaN without ``rates``."""
+    p = num_replicas
+    bytes_ar = 2 * (p - 1) / p * rows * width * element_bytes
+    bytes_sparse = (p - 1) * lookups * (width * element_bytes + 8)
+    if rates is None:
+        return SparseCost(bytes_ar, bytes_sparse, float("nan"), float("nan"))
+    return SparseCost(bytes_ar, bytes_sparse, bytes_ar / rates.bandwidth_bytes_s,
+                      bytes_sparse / rates.bandwidth_bytes_s + 2 * rates.latency_s)
 
 
 def sfb_may_pay(m: int, n: int, k: int, num_replicas: int) -> bool:

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+import tensorflow as tf
+
 from tf_poseidon.sacp import cost_model
 
 ASSUMED_LOCAL_BATCH = 128
@@ -23,34 +25,52 @@ ASSUMED_LOCAL_BATCH = 128
 the step is traced (a data set whose last batch is short). The choice depends on K only near
 the layer's break-even batch, which for wide layers is far above this."""
 
-SFB, ALLREDUCE = "sfb", "allreduce"
+SFB, SPARSE, ALLREDUCE = "sfb", "sparse", "allreduce"
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """A Dense kernel gradient seen at the reduction (or a Dense layer skipped at capture)."""
+    """A gradient that another protocol than all-reduce might carry: a Dense kernel's (SFB;
+    also a Dense layer skipped at capture) or an embedding's sparse rows (``IndexedSlices``).
+
+    For SFB, (m, n) is the kernel's shape and ``rows`` the local batch K; for sparse, (m, n) is
+    the table's (rows, width) and ``rows`` the number of rows looked up per step.
+    """
 
     kernel: str  # variable path
     m: int | None
     n: int | None
-    rows: int | None  # this rank's static local batch, None if dynamic
-    refusal: str | None  # why SFB cannot reduce it, None if it can
+    rows: int | None  # this rank's static K (or lookups), None if dynamic
+    refusal: str | None  # why the protocol cannot carry it, None if it can
+    protocol: str = SFB
+    lookups_per_example: int = 1  # sparse: rows looked up per example, for a dynamic batch
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """One row of the plan. Bytes are per rank and step, sent (as many are received)."""
+    """One row of the plan: all-reduce against the ``alternative`` protocol. Bytes are per
+    rank and step, sent (as many are received)."""
 
     kernel: str
     shape: tuple[int, int] | None
-    local_batch: int | None  # the K the estimate used (largest over ranks)
+    local_batch: int | None  # the K (or lookups) the estimate used (largest over ranks)
     batch_assumed: bool  # True when K was unknown at trace time and ASSUMED_LOCAL_BATCH used
     bytes_allreduce: float
-    bytes_sfb: float
+    bytes_alternative: float
     time_allreduce_s: float  # NaN when no rates were measured or given
-    time_sfb_s: float
-    choice: str  # "sfb" or "allreduce"
+    time_alternative_s: float
+    choice: str  # "allreduce" or the alternative
     reason: str
+    alternative: str = SFB
+
+    def as_dict(self) -> dict:
+        """JSON-serialisable, with the alternative's figures as ``bytes_<protocol>`` and
+        ``time_<protocol>_s`` (NaN becomes None)."""
+        row = dataclasses.asdict(self)
+        row[f"bytes_{self.alternative}"] = row.pop("bytes_alternative")
+        row[f"time_{self.alternative}_s"] = row.pop("time_alternative_s")
+        return {k: None if isinstance(v, float) and math.isnan(v) else v
+                for k, v in row.items()}
 
 
 @dataclasses.dataclass
@@ -65,7 +85,7 @@ class Plan:
     note: str = ""
 
     def choice(self, kernel: str) -> str | None:
-        """"sfb" or "allreduce" for the kernel variable path ``kernel`` (None if unknown)."""
+        """The protocol chosen for the variable path ``kernel`` (None if unknown)."""
         return next((row.choice for row in self.rows if row.kernel == kernel), None)
 
     @property
@@ -74,16 +94,13 @@ class Plan:
 
     def as_dict(self) -> dict:
         """JSON-serialisable form (NaN times become None)."""
-        def clean(value):
-            return None if isinstance(value, float) and math.isnan(value) else value
         return {"num_replicas": self.num_replicas, "sfb": self.sfb,
                 "compression": self.compression, "note": self.note,
                 "rates": dataclasses.asdict(self.rates) if self.rates else None,
-                "rows": [{k: clean(v) for k, v in dataclasses.asdict(r).items()}
-                         for r in self.rows]}
+                "rows": [r.as_dict() for r in self.rows]}
 
     def table(self) -> str:
-        head = (f"SFB plan: P={self.num_replicas}, sfb={self.sfb!r}, "
+        head = (f"Per-layer plan: P={self.num_replicas}, sfb={self.sfb!r}, "
                 f"compression={self.compression!r}")
         if self.rates is not None:
             head += f"; {self.rates.describe()}"
@@ -92,21 +109,22 @@ class Plan:
             lines.append(self.note)
         if not self.rows:
             return "\n".join(lines)
-        header = ("layer (kernel)", "shape", "K", "all-reduce", "SFB", "t all-reduce",
-                  "t SFB", "choice", "reason")
+        header = ("layer (variable)", "shape", "K", "all-reduce", "other", "t all-reduce",
+                  "t other", "choice", "reason")
         body = [(r.kernel, f"{r.shape[0]}x{r.shape[1]}" if r.shape else "?",
                  (f"{r.local_batch}?" if r.batch_assumed else str(r.local_batch))
                  if r.local_batch is not None else "-",
-                 _bytes(r.bytes_allreduce), _bytes(r.bytes_sfb), _seconds(r.time_allreduce_s),
-                 _seconds(r.time_sfb_s), r.choice, r.reason) for r in self.rows]
+                 _bytes(r.bytes_allreduce), f"{r.alternative} {_bytes(r.bytes_alternative)}",
+                 _seconds(r.time_allreduce_s), _seconds(r.time_alternative_s), r.choice,
+                 r.reason) for r in self.rows]
         widths = [max(len(str(row[i])) for row in [header] + body) for i in range(len(header))]
         for row in [header] + body:
             lines.append("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
         if any(r.batch_assumed for r in self.rows):
             lines.append(f"K? = batch dimension unknown at trace time; {ASSUMED_LOCAL_BATCH} "
-                         "assumed. Bytes per rank and step (sent; as many received).")
-        else:
-            lines.append("Bytes per rank and step (sent; as many received).")
+                         "assumed.")
+        lines.append("K: local batch (SFB) or rows looked up (sparse). Bytes per rank and "
+                     "step (sent; as many received).")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -139,18 +157,18 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
           cache: RatesCache) -> Plan:
     """Collective and blocking (every rank, same call sequence): the plan every rank uses.
 
-    Raises RuntimeError on every rank if the ranks traced different Dense layers.
+    Raises RuntimeError on every rank if the ranks traced different layers.
     """
     element_bytes = config.codec.bytes_per_element
     local = [dataclasses.astuple(c) for c in candidates]
 
     def decide(comm):
         everyone = comm.allgather(local)
-        layout = [[(c[0], c[1], c[2]) for c in rank_list] for rank_list in everyone]
+        layout = [[(c[0], c[1], c[2], c[5]) for c in rank_list] for rank_list in everyone]
         if any(other != layout[0] for other in layout[1:]):
             differing = next(r for r, other in enumerate(layout) if other != layout[0])
             raise RuntimeError(
-                "tf_poseidon SFB: ranks traced different Dense layers (rank 0: "
+                "tf_poseidon: ranks traced different layers (rank 0: "
                 f"{layout[0]}, rank {differing}: {layout[differing]}); every rank must run "
                 "the same model.")
         rows_by_rank = list(zip(*[[c[3] for c in rank_list] for rank_list in everyone]))
@@ -160,7 +178,7 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
             merged.append((c, known))
         rates = cache.rates
         if rates is None and config.sfb == "auto" and any(
-                c.refusal is None and cost_model.sfb_may_pay(
+                c.protocol == SFB and c.refusal is None and cost_model.sfb_may_pay(
                     c.m, c.n, k or ASSUMED_LOCAL_BATCH, num_replicas) for c, k in merged):
             rates = cache.rates = cost_model.measure_rates(
                 comm, getattr(config, "bandwidth_gbps", None))
@@ -182,6 +200,9 @@ def local_row(c: Candidate, num_replicas: int, element_bytes: float) -> LayerPla
 
 def _row(c: Candidate, k: int | None, mode: str, num_replicas: int, element_bytes: float,
          rates: cost_model.Rates | None) -> LayerPlan:
+    """The plan row of ``c`` at largest-over-ranks K ``k``; ``mode`` is the sfb option."""
+    if c.protocol == SPARSE:
+        return _sparse_row(c, k, num_replicas, element_bytes, rates)
     nan = float("nan")
     if c.m is None or c.n is None:
         return LayerPlan(c.kernel, None, None, False, nan, nan, nan, nan, ALLREDUCE,
@@ -213,6 +234,25 @@ def _row(c: Candidate, k: int | None, mode: str, num_replicas: int, element_byte
         f"{_seconds(cost.time_sfb_s)} (SFB pays latency + fixed overhead)"))
 
 
+def _sparse_row(c: Candidate, k: int | None, num_replicas: int, element_bytes: float,
+                rates: cost_model.Rates | None) -> LayerPlan:
+    """Sparse rows against the dense all-reduce, by bytes (rows looked up: ``k``)."""
+    if c.refusal is not None:
+        nan = float("nan")
+        return LayerPlan(c.kernel, None, k, False, nan, nan, nan, nan, ALLREDUCE, c.refusal,
+                         SPARSE)
+    assumed = k is None
+    k_used = ASSUMED_LOCAL_BATCH * c.lookups_per_example if assumed else k
+    cost = cost_model.sparse_cost(c.m, c.n, k_used, num_replicas, element_bytes, rates)
+    sparse = cost.bytes_sparse < cost.bytes_allreduce
+    reason = (f"sparse rows move fewer bytes: {_bytes(cost.bytes_sparse)} < "
+              f"{_bytes(cost.bytes_allreduce)}" if sparse else
+              "the dense all-reduce moves fewer bytes than every lookup's row")
+    return LayerPlan(c.kernel, (c.m, c.n), k_used, assumed, cost.bytes_allreduce,
+                     cost.bytes_sparse, cost.time_allreduce_s, cost.time_sparse_s,
+                     SPARSE if sparse else ALLREDUCE, reason, SPARSE)
+
+
 class Planner:
     """The sync algorithm's per-step question, answered once per traced layer set: for each
     gradient, its capture Match (sfb/capture.py) and agreed LayerPlan.
@@ -232,27 +272,64 @@ class Planner:
         self.plan: Plan | None = None
 
     def choose(self, session, grads, variables) -> list[tuple[object | None, LayerPlan | None]]:
-        """Per gradient: (its capture Match or None, its agreed LayerPlan or None). With no
-        capture session (sfb="never", or an eager call) every gradient is (None, None)."""
-        if session is None:
-            return [(None, None)] * len(grads)
-        matches = [session.match(g, variables) for g in grads]
+        """Per gradient: (its capture Match or None, its agreed LayerPlan or None).
+
+        A Dense kernel's gradient is matched against ``session``'s captured factors (None:
+        sfb="never", or an eager call); an ``IndexedSlices`` gradient (an embedding's) is a
+        sparse candidate whatever the session."""
+        matches = [session.match(g, variables) if session is not None
+                   and not isinstance(g, tf.IndexedSlices) else None for g in grads]
         candidates = [Candidate(m.kernel_name, m.m, m.n, m.rows, m.reason)
                       for m in matches if m is not None]
+        sparse = {i: _sparse_candidate(g, v) for i, (g, v) in enumerate(zip(grads, variables))
+                  if isinstance(g, tf.IndexedSlices)}
         seen = {c.kernel for c in candidates}
-        skipped = [Candidate(name, *(shape or (None, None)), None, reason)
-                   for name, (shape, reason) in session.skipped.items() if name not in seen]
-        if any(c.refusal is None and (c.kernel, c.m, c.n) not in self._agreed
-               for c in candidates):
-            self.plan = agree(self._engine, candidates + skipped, self._config,
+        skipped = [] if session is None else [
+            Candidate(name, *(shape or (None, None)), None, reason)
+            for name, (shape, reason) in session.skipped.items() if name not in seen]
+        wanted = candidates + list(sparse.values())
+        if any(c.refusal is None and _key(c) not in self._agreed for c in wanted):
+            self.plan = agree(self._engine, wanted + skipped, self._config,
                               self._num_replicas, self._rates)
-            self._agreed.update({(row.kernel, *(row.shape or (None, None))): row
-                                 for row in self.plan.rows})
+            self._agreed.update({_key(row): row for row in self.plan.rows})
         elif (candidates or skipped) and self.plan is None:
-            # Nothing SFB could take: a local plan, no collective.
+            # Nothing another protocol could take: a local plan, no collective.
             rows = [local_row(c, self._num_replicas, self._config.codec.bytes_per_element)
                     for c in candidates + skipped]
             self.plan = Plan(rows, self._num_replicas, self._config.sfb,
                              self._config.codec.name, self._rates.rates)
-        return [(m, self._agreed.get((m.kernel_name, m.m, m.n))
-                 if m is not None and m.reason is None else None) for m in matches]
+        chosen = []
+        for i, m in enumerate(matches):
+            if i in sparse:
+                chosen.append((None, self._agreed.get(_key(sparse[i]))))
+            else:
+                chosen.append((m, self._agreed.get(_key(Candidate(
+                    m.kernel_name, m.m, m.n, None, None))) if m is not None
+                    and m.reason is None else None))
+        return chosen
+
+
+def _key(entry) -> tuple:
+    """What identifies a plan row across retraces: (variable path, shape, protocol)."""
+    if isinstance(entry, LayerPlan):
+        return (entry.kernel, *(entry.shape or (None, None)), entry.alternative)
+    return (entry.kernel, entry.m, entry.n, entry.protocol)
+
+
+def _sparse_candidate(grad: tf.IndexedSlices, variable) -> Candidate:
+    """The sparse candidate of an embedding table's gradient: (rows, width), the number of
+    rows looked up this step (static, or None) and, for a dynamic batch, the rows looked up
+    per example (the static inner dimensions of the ids the indices were flattened from)."""
+    shape = variable.shape
+    refusal = None if shape.rank == 2 and shape.is_fully_defined() else \
+        f"table of shape {shape} (sparse rows need a static 2-D table)"
+    rows, width = (int(shape[0]), int(shape[1])) if refusal is None else (None, None)
+    lookups = grad.indices.shape[0]
+    per_example = 1
+    source = grad.indices
+    if lookups is None and not tf.executing_eagerly() and source.op.type == "Reshape":
+        inner = source.op.inputs[0].shape[1:]
+        per_example = inner.num_elements() if inner.is_fully_defined() else 1
+    return Candidate(variable.name.split(":")[0], rows, width,
+                     int(lookups) if lookups is not None else None, refusal, SPARSE,
+                     per_example)
