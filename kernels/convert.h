@@ -99,7 +99,9 @@ struct F16 {
 struct BF16 {
   using Storage = uint16_t;
 
-  static POSEIDON_HD float ToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+  static POSEIDON_HD float ToFloat(uint16_t b) {
+    return BitsToFloat(static_cast<uint32_t>(b) << 16);
+  }
 
   static POSEIDON_HD uint16_t FromFloat(float f) {
     const uint32_t u = FloatToBits(f);
@@ -136,7 +138,8 @@ POSEIDON_HD typename Out::Storage ScaleConvert(typename In::Storage x, float sca
   const float value = In::ToFloat(x);
   const uint32_t bits = FloatToBits(value);
   const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  return Out::FromFloat(BitsToFloat(Select(is_nan, bits | 0x00400000u, FloatToBits(value * scale))));
+  const uint32_t product = FloatToBits(value * scale);
+  return Out::FromFloat(BitsToFloat(Select(is_nan, bits | 0x00400000u, product)));
 }
 
 // dst[i] = ScaleConvert(src[i], scale) for i in [0, size): the unit of work of pack and unpack.

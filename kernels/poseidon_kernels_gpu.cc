@@ -95,7 +95,8 @@ void Backend<GPUDevice>::SfbReconstruct(OpKernelContext* ctx, const Tensor& u, c
   const float alpha = scale;
   const float beta = 0.0f;
   OP_REQUIRES_OK(ctx, blas->DoBlasGemmWithAlgorithm(
-                          stream, se::blas::Transpose::kNoTranspose, se::blas::Transpose::kTranspose,
+                          stream, se::blas::Transpose::kNoTranspose,
+                          se::blas::Transpose::kTranspose,
                           gemm.m, gemm.n, gemm.k, &alpha, AddressOf(v), type,
                           static_cast<int>(gemm.lda), AddressOf(u), type,
                           static_cast<int>(gemm.ldb), &beta, &c, se::blas::DataType::kFloat,
