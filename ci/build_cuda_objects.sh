@@ -28,7 +28,7 @@ read -r -a TF_CFLAGS <<< "$TF_CFLAGS"
 "$NVCC" --version | tail -1
 for source in kernels/*.cu; do
     echo "nvcc: $source"
-    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC "${TF_CFLAGS[@]}" -Ikernels \
+    "$NVCC" -std=c++17 -O3 -ftz=true -fmad=false -Xcompiler -fPIC "${TF_CFLAGS[@]}" -Ikernels \
         -c "$source" -o "$OUT/$(basename "$source").o"
 done
 echo "${CXX:-g++} -DGOOGLE_CUDA=1: kernels/poseidon_kernels_gpu.cc"

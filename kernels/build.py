@@ -34,6 +34,9 @@ CXX_SOURCES = ("poseidon_ops.cc", "poseidon_kernels_cpu.cc", "poseidon_kernels_g
                "poseidon_host_api.cc")
 CUDA_SOURCES = ("poseidon_cuda.cu",)
 _KEY_MARKER = b"TF_POSEIDON_BUILD_KEY:"
+# The float32 environment of TensorFlow's CPU kernels (flush-to-zero, no FMA contraction), so that
+# the CUDA kernels give the CPU kernels' bits (kernels/convert.h).
+NVCC_NUMERICS = ("-ftz=true", "-fmad=false")
 _DEFAULT_NVCC_ARCH = (
     "-gencode=arch=compute_80,code=sm_80",
     "-gencode=arch=compute_90,code=[sm_90,compute_90]",
@@ -135,8 +138,8 @@ def build(library: Path) -> None:
         link = [os.environ.get("CXX", "g++"), "-shared", "-o", str(partial)]
         link += [c[c.index("-o") + 1] for c in commands]
         link += tf.sysconfig.get_link_flags()
-        if cuda is not None:
-            link += [f"-L{cuda / 'lib64'}", "-lcudart"]
+        if cuda is not None:  # static: nothing to find at load time, whatever TF's CUDA libraries
+            link += [f"-L{cuda / 'lib64'}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
         try:
             _run(link)
             os.replace(partial, library)
@@ -159,6 +162,7 @@ def _cxx_command(source: Path, work: Path, cuda: Path | None) -> list[str]:
 def _nvcc_command(source: Path, work: Path, cuda: Path) -> list[str]:
     arch = os.environ.get("TF_POSEIDON_NVCC_ARCH")
     command = [str(cuda / "bin" / "nvcc"), "-std=c++17", "-O3", "-Xcompiler", "-fPIC"]
+    command += NVCC_NUMERICS
     command += [f"-arch={arch}"] if arch else list(_DEFAULT_NVCC_ARCH)
     return command + [f"-I{KERNEL_DIR}", "-c", str(source), "-o", str(work / (source.name + ".o"))]
 

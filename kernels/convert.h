@@ -5,6 +5,13 @@
 // Contract of every conversion: Out(In(x) * scale), computed in float32 and rounded to the output
 // dtype with round-to-nearest-even; NaN stays NaN (quiet, same sign), ±Inf stays ±Inf, finite
 // values beyond the float16 range become ±Inf only in a float16 output.
+//
+// Host and device run the very same integer and float32 operations (no CUDA conversion
+// intrinsics: those turn every NaN into one canonical NaN, dropping its sign), so a GPU kernel
+// gives the CPU kernel's bits. That also needs the same float32 environment on both sides:
+// TensorFlow runs CPU kernels with flush-to-zero and denormals-are-zero, and kernels/build.py
+// compiles the CUDA code with -ftz=true (and -fmad=false: no fused multiply-add, as
+// -ffp-contract=off on the host).
 #ifndef TF_POSEIDON_KERNELS_CONVERT_H_
 #define TF_POSEIDON_KERNELS_CONVERT_H_
 
@@ -12,8 +19,6 @@
 #include <cstring>
 
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #define POSEIDON_HD __host__ __device__ __forceinline__
 #else
 #define POSEIDON_HD inline
@@ -56,29 +61,26 @@ struct F32 {
   static POSEIDON_HD float FromFloat(float x) { return x; }
 };
 
-// IEEE binary16. Host code uses the float-arithmetic conversions of M. Dukhan's FP16 library
-// (checked bit-exact against F16C for all 2^32 float inputs, NaN payloads aside); they stay
-// correct with flush-to-zero/denormals-are-zero set, as in TensorFlow's worker threads.
+// IEEE binary16, with the float-arithmetic conversions of M. Dukhan's FP16 library (checked
+// bit-exact against F16C for all 2^32 float inputs, NaN payloads aside); they stay correct with
+// flush-to-zero/denormals-are-zero set, as in TensorFlow's worker threads.
 struct F16 {
   using Storage = uint16_t;
 
   static POSEIDON_HD float ToFloat(uint16_t h) {
-#ifdef __CUDA_ARCH__
-    return __half2float(__ushort_as_half(h));
-#else
     const uint32_t w = static_cast<uint32_t>(h) << 16;
     const uint32_t two_w = w + w;
     const float normal = BitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
     const float subnormal = BitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
-    return BitsToFloat((w & 0x80000000u) |
-                       Select(two_w < (1u << 27), FloatToBits(subnormal), FloatToBits(normal)));
-#endif
+    // A NaN keeps its payload, quieted, as the host's multiplication gives it (a GPU's would give
+    // its one canonical NaN).
+    const uint32_t nan = 0x7FC00000u | ((two_w >> 4) & 0x007FFFFFu);
+    const uint32_t finite =
+        Select(two_w < (1u << 27), FloatToBits(subnormal), FloatToBits(normal));
+    return BitsToFloat((w & 0x80000000u) | Select(two_w > 0xF8000000u, nan, finite));
   }
 
   static POSEIDON_HD uint16_t FromFloat(float f) {
-#ifdef __CUDA_ARCH__
-    return __half_as_ushort(__float2half_rn(f));
-#else
     const uint32_t w = FloatToBits(f);
     const uint32_t shl1_w = w + w;
     const uint32_t bias_bits = shl1_w & 0xFF000000u;
@@ -90,7 +92,6 @@ struct F16 {
     const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
     return static_cast<uint16_t>(((w & 0x80000000u) >> 16) |
                                  Select(shl1_w > 0xFF000000u, 0x7E00u, nonsign));
-#endif
   }
 };
 
@@ -99,22 +100,14 @@ struct BF16 {
   using Storage = uint16_t;
 
   static POSEIDON_HD float ToFloat(uint16_t b) {
-#ifdef __CUDA_ARCH__
-    return __bfloat162float(__ushort_as_bfloat16(b));
-#else
     return BitsToFloat(static_cast<uint32_t>(b) << 16);
-#endif
   }
 
   static POSEIDON_HD uint16_t FromFloat(float f) {
-#ifdef __CUDA_ARCH__
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-#else
     const uint32_t u = FloatToBits(f);
     const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
     return static_cast<uint16_t>(Select(is_nan, (u >> 16) | 0x40u, rounded));
-#endif
   }
 };
 
@@ -138,10 +131,15 @@ POSEIDON_HD void VisitDtype(Dtype dtype, Fn&& fn) {
   }
 }
 
-// One element: Out(In(x) * scale), computed in float32.
+// One element: Out(In(x) * scale), computed in float32. A NaN x stays that NaN, quieted (the
+// host's multiplication does so; a GPU's returns one canonical, positive NaN), for any scale.
 template <typename In, typename Out>
 POSEIDON_HD typename Out::Storage ScaleConvert(typename In::Storage x, float scale) {
-  return Out::FromFloat(In::ToFloat(x) * scale);
+  const float value = In::ToFloat(x);
+  const uint32_t bits = FloatToBits(value);
+  const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t product = FloatToBits(value * scale);
+  return Out::FromFloat(BitsToFloat(Select(is_nan, bits | 0x00400000u, product)));
 }
 
 // dst[i] = ScaleConvert(src[i], scale) for i in [0, size): the unit of work of pack and unpack.

@@ -1,30 +1,42 @@
 // Standalone check of the tf_poseidon CUDA kernels, no TensorFlow needed: runs every launcher of
-// poseidon_cuda.h on random data against a CPU reference (convert.h on the host), then times them
-// at realistic sizes. Exit status 0 iff every check passed. ci/check_cuda_on_gpu.sh builds and runs
-// it:
+// poseidon_cuda.h on fuzzed data (sizes 0, 1, odd and not multiples of the unroll width; NaN of
+// both signs and with payloads, ±Inf, ±0, float32 and bfloat16 denormals, values beyond the
+// float16 range) and compares the bits with the CPU kernels' loops (cpu_loops.h) run on the host
+// with TensorFlow's flush-to-zero/denormals-are-zero; then, where cuBLAS is available, checks the
+// SFB GEMM mapping of sfb_gemm.h against a float64 reference; then times pack/unpack against the
+// device memcpy (goal: >= 50% of its bandwidth) and the SFB GEMM. Prints PASS/FAIL lines, then
+// markdown table rows starting with "| harness |"; exit status 0 iff every check passed.
+// ci/check_cuda_on_gpu.sh builds and runs it:
 //
-//   nvcc -std=c++17 -O3 -Ikernels kernels/cuda_harness.cu kernels/poseidon_cuda.cu -o harness
-//   ./harness
+//   nvcc -std=c++17 -O3 -ftz=true -fmad=false -arch=native -Ikernels kernels/cuda_harness.cu \
+//       kernels/poseidon_cuda.cu [-lcublas] -o harness && ./harness
 #include <cuda_runtime.h>
+#include <xmmintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "convert.h"
+#include "cpu_loops.h"
 #include "poseidon_cuda.h"
+#include "sfb_gemm.h"
+
+#if __has_include(<cublas_v2.h>)
+#include <cublas_v2.h>
+#define POSEIDON_HARNESS_CUBLAS 1
+#endif
 
 namespace {
 
-using poseidon::BF16;
 using poseidon::ConvertJob;
 using poseidon::Dtype;
-using poseidon::F16;
-using poseidon::F32;
 using poseidon::VisitDtype;
 
 int failures = 0;
@@ -54,42 +66,44 @@ const char* Name(Dtype dtype) {
 
 size_t ElementSize(Dtype dtype) { return dtype == Dtype::kFloat32 ? 4 : 2; }
 
-// Host bytes of n elements of `dtype` with random signs and magnitudes 1e-8 .. 3e4, a NaN and
-// an Inf among them when n > 2.
-std::vector<uint8_t> RandomElements(Dtype dtype, int64_t n, std::mt19937* rng) {
+// float32 bit patterns the kernels must get exactly right.
+const uint32_t kSpecials[] = {
+    0x7FC00000u, 0xFFC00000u, 0x7FC12345u, 0xFF800001u,  // NaNs: both signs, payloads, signalling
+    0x7F800000u, 0xFF800000u, 0x00000000u, 0x80000000u,  // ±Inf, ±0
+    0x00000001u, 0x807FFFFFu, 0x00400000u,               // float32 denormals
+    0x477FE000u, 0xC77FF000u, 0x47800000u, 0x4B000000u,  // 65504, -65520, 65536, 2^23
+    0x33800000u, 0xB3000000u, 0x387FC000u,               // float16 subnormal range
+    0x00010000u, 0x80008000u,                            // bfloat16 denormals
+};
+
+// Host bytes of n elements of `dtype`: random signs and magnitudes 1e-8 .. 3e4, every 7th element
+// one of kSpecials (rounded to `dtype`).
+std::vector<uint8_t> FuzzElements(Dtype dtype, int64_t n, std::mt19937* rng) {
   std::uniform_real_distribution<float> exponent(-8.0f, 4.5f);
   std::vector<uint8_t> bytes(n * ElementSize(dtype));
   VisitDtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto* out = reinterpret_cast<typename T::Storage*>(bytes.data());
     for (int64_t i = 0; i < n; ++i) {
-      const float magnitude = std::pow(10.0f, exponent(*rng));
-      out[i] = T::FromFloat((*rng)() % 2 ? magnitude : -magnitude);
-    }
-    if (n > 2) {
-      out[0] = T::FromFloat(NAN);
-      out[1] = T::FromFloat(-INFINITY);
+      float value = std::pow(10.0f, exponent(*rng)) * ((*rng)() % 2 ? 1.0f : -1.0f);
+      if ((*rng)() % 7 == 0) {
+        uint32_t bits = kSpecials[(*rng)() % (sizeof(kSpecials) / sizeof(kSpecials[0]))];
+        std::memcpy(&value, &bits, sizeof(value));
+      }
+      if (dtype == Dtype::kFloat32) {
+        std::memcpy(out + i, &value, sizeof(value));
+      } else {
+        out[i] = T::FromFloat(value);
+      }
     }
   });
   return bytes;
 }
 
-// Element i of `bytes` as float.
-float ValueAt(const std::vector<uint8_t>& bytes, Dtype dtype, int64_t i) {
-  float value = 0.0f;
-  VisitDtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    value = T::ToFloat(reinterpret_cast<const typename T::Storage*>(bytes.data())[i]);
-  });
-  return value;
-}
-
-// Equal, NaN matching NaN.
-bool SameValue(float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
-
 struct DeviceBytes {
   explicit DeviceBytes(size_t size) : size(size) {
     CudaOrDie(cudaMalloc(&ptr, size == 0 ? 1 : size), "cudaMalloc");
+    CudaOrDie(cudaMemset(ptr, 0xA5, size == 0 ? 1 : size), "poison");
   }
   explicit DeviceBytes(const std::vector<uint8_t>& host) : DeviceBytes(host.size()) {
     CudaOrDie(cudaMemcpy(ptr, host.data(), size, cudaMemcpyHostToDevice), "copy to device");
@@ -111,17 +125,16 @@ struct DeviceBytes {
 
 const Dtype kDtypes[] = {Dtype::kFloat32, Dtype::kFloat16, Dtype::kBFloat16};
 
-// Packs tensors of the given sizes into one buffer and unpacks them again, as the ops do; 150
-// tensors exercise the batching of jobs across launches.
+// Packs tensors of the given sizes into one buffer and unpacks them again, as the ops do, and
+// compares both results' bits with the CPU loops'.
 void CheckConvert(Dtype tensor_type, Dtype wire_type, const std::vector<int64_t>& sizes,
-                  std::mt19937* rng) {
-  const float scale = 0.5f;
+                  float scale, std::mt19937* rng) {
   std::vector<std::vector<uint8_t>> hosts;
   std::vector<DeviceBytes> tensors;
   std::vector<DeviceBytes> restored;
   int64_t total = 0;
   for (int64_t n : sizes) {
-    hosts.push_back(RandomElements(tensor_type, n, rng));
+    hosts.push_back(FuzzElements(tensor_type, n, rng));
     total += n;
   }
   for (const auto& host : hosts) {
@@ -129,13 +142,19 @@ void CheckConvert(Dtype tensor_type, Dtype wire_type, const std::vector<int64_t>
     restored.emplace_back(host.size());
   }
   DeviceBytes packed(total * ElementSize(wire_type));
+  std::vector<uint8_t> expected_packed(packed.size);
   std::vector<ConvertJob> pack_jobs;
   std::vector<ConvertJob> unpack_jobs;
   int64_t offset = 0;
   for (size_t t = 0; t < sizes.size(); ++t) {
-    char* at = static_cast<char*>(packed.ptr) + offset * ElementSize(wire_type);
-    pack_jobs.push_back({tensors[t].ptr, at, sizes[t], tensor_type, wire_type});
-    unpack_jobs.push_back({at, restored[t].ptr, sizes[t], wire_type, tensor_type});
+    const size_t at = offset * ElementSize(wire_type);
+    pack_jobs.push_back({tensors[t].ptr, static_cast<char*>(packed.ptr) + at, sizes[t],
+                         tensor_type, wire_type});
+    unpack_jobs.push_back({static_cast<char*>(packed.ptr) + at, restored[t].ptr, sizes[t],
+                           wire_type, tensor_type});
+    poseidon::RunJobPart({hosts[t].data(), expected_packed.data() + at, sizes[t], tensor_type,
+                          wire_type},
+                         0, sizes[t], scale);
     offset += sizes[t];
   }
   LaunchOrDie(poseidon::cuda::LaunchConvert(pack_jobs.data(), pack_jobs.size(), scale, nullptr),
@@ -143,131 +162,115 @@ void CheckConvert(Dtype tensor_type, Dtype wire_type, const std::vector<int64_t>
   LaunchOrDie(poseidon::cuda::LaunchConvert(unpack_jobs.data(), unpack_jobs.size(), 1 / scale,
                                             nullptr),
               "LaunchConvert");
-  const std::vector<uint8_t> packed_host = packed.ToHost();
-  bool ok = true;
+  bool ok = packed.ToHost() == expected_packed;
   offset = 0;
   for (size_t t = 0; t < sizes.size(); ++t) {
-    const std::vector<uint8_t> back = restored[t].ToHost();
-    for (int64_t i = 0; i < sizes[t]; ++i) {
-      float wire = 0.0f;
-      float expected_back = 0.0f;
-      VisitDtype(wire_type, [&](auto w) {
-        VisitDtype(tensor_type, [&](auto x) {
-          using W = decltype(w);
-          using X = decltype(x);
-          const float x_value = ValueAt(hosts[t], tensor_type, i);
-          wire = W::ToFloat(W::FromFloat(x_value * scale));
-          expected_back = X::ToFloat(X::FromFloat(wire * (1 / scale)));
-        });
-      });
-      ok = ok && SameValue(ValueAt(packed_host, wire_type, offset + i), wire) &&
-           SameValue(ValueAt(back, tensor_type, i), expected_back);
-    }
+    std::vector<uint8_t> expected_back(hosts[t].size());
+    poseidon::RunJobPart({expected_packed.data() + offset * ElementSize(wire_type),
+                          expected_back.data(), sizes[t], wire_type, tensor_type},
+                         0, sizes[t], 1 / scale);
+    ok = ok && restored[t].ToHost() == expected_back;
     offset += sizes[t];
   }
-  Check(ok, std::string("pack/unpack ") + Name(tensor_type) + " <-> " + Name(wire_type) + ", " +
-                std::to_string(sizes.size()) + " tensors, " + std::to_string(total) + " elements");
+  Check(ok, std::string("pack/unpack ") + Name(tensor_type) + " <-> " + Name(wire_type) +
+                ", scale " + std::to_string(scale) + ", " + std::to_string(sizes.size()) +
+                " tensors, " + std::to_string(total) + " elements: bits equal the CPU loops'");
 }
 
 void CheckSumChunks(Dtype wire_type, Dtype out_type, int64_t p, int64_t n, std::mt19937* rng) {
   const float scale = 0.25f;
-  const std::vector<uint8_t> chunks = RandomElements(wire_type, p * n, rng);
+  const std::vector<uint8_t> chunks = FuzzElements(wire_type, p * n, rng);
   DeviceBytes chunks_device(chunks);
   DeviceBytes out(n * ElementSize(out_type));
   LaunchOrDie(poseidon::cuda::LaunchSumChunks(chunks_device.ptr, wire_type, p, n, scale, out.ptr,
                                               out_type, nullptr),
               "LaunchSumChunks");
-  const std::vector<uint8_t> got = out.ToHost();
-  bool ok = true;
-  for (int64_t j = 0; j < n; ++j) {
-    float acc = 0.0f;
-    for (int64_t k = 0; k < p; ++k) acc += ValueAt(chunks, wire_type, k * n + j);
-    float expected = 0.0f;
-    VisitDtype(out_type, [&](auto o) {
-      using O = decltype(o);
-      expected = O::ToFloat(O::FromFloat(acc * scale));
-    });
-    ok = ok && SameValue(ValueAt(got, out_type, j), expected);
-  }
-  Check(ok, std::string("sum_chunks ") + Name(wire_type) + " -> " + Name(out_type) + ", P=" +
-                std::to_string(p) + ", n=" + std::to_string(n));
+  std::vector<uint8_t> expected(out.size);
+  poseidon::SumChunksPart(wire_type, out_type, chunks.data(), p, n, 0, n, scale, expected.data());
+  Check(out.ToHost() == expected, std::string("sum_chunks ") + Name(wire_type) + " -> " +
+                                      Name(out_type) + ", P=" + std::to_string(p) + ", n=" +
+                                      std::to_string(n) + ": bits equal the CPU loops'");
 }
 
-void CheckSfb(Dtype dtype, int64_t r, int64_t m, int64_t n, std::mt19937* rng) {
-  const float scale = 0.5f;
-  std::normal_distribution<float> normal;
-  std::vector<uint8_t> u(r * m * ElementSize(dtype));
-  std::vector<uint8_t> v(r * n * ElementSize(dtype));
-  VisitDtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    for (auto* bytes : {&u, &v}) {
-      auto* out = reinterpret_cast<typename T::Storage*>(bytes->data());
-      for (size_t i = 0; i < bytes->size() / sizeof(*out); ++i) out[i] = T::FromFloat(normal(*rng));
-    }
-  });
-  DeviceBytes u_device(u);
-  DeviceBytes v_device(v);
-  DeviceBytes out(m * n * sizeof(float));
-  LaunchOrDie(poseidon::cuda::LaunchSfbReconstruct(u_device.ptr, v_device.ptr, dtype, r, m, n,
-                                                   scale, static_cast<float*>(out.ptr), nullptr),
-              "LaunchSfbReconstruct");
-  const std::vector<uint8_t> got = out.ToHost();
-  double worst = 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      double expected = 0.0;
-      double magnitude = 0.0;
-      for (int64_t k = 0; k < r; ++k) {
-        const double term = static_cast<double>(ValueAt(u, dtype, k * m + i)) * scale *
-                            ValueAt(v, dtype, k * n + j);
-        expected += term;
-        magnitude += std::fabs(term);
-      }
-      const double error = std::fabs(ValueAt(got, Dtype::kFloat32, i * n + j) - expected);
-      worst = std::max(worst, error / (1e-6 * (1.0 + magnitude)));
-    }
-  }
-  Check(worst <= 1.0, std::string("sfb_reconstruct ") + Name(dtype) + ", R=" + std::to_string(r) +
-                          ", M=" + std::to_string(m) + ", N=" + std::to_string(n));
-}
-
-// Milliseconds per call of `launch` (best of 10, after a warm-up).
+// Milliseconds per call of `launch` (median of 20, after 3 warm-ups).
 template <typename Launch>
 float TimeMs(Launch launch) {
   cudaEvent_t start;
   cudaEvent_t stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  launch();
-  float best = 1e30f;
-  for (int i = 0; i < 10; ++i) {
+  CudaOrDie(cudaEventCreate(&start), "event");
+  CudaOrDie(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> times;
+  for (int i = 0; i < 20; ++i) {
     cudaEventRecord(start);
     launch();
     cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
+    CudaOrDie(cudaEventSynchronize(stop), "timed launch");
     float ms = 0.0f;
     cudaEventElapsedTime(&ms, start, stop);
-    best = std::min(best, ms);
+    times.push_back(ms);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   CudaOrDie(cudaGetLastError(), "timed launch");
-  return best;
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
 }
 
-void TimeKernels() {
-  const int64_t n = 25'000'000;  // 100 MB of float32
+void Row(const std::string& what, float ms, const std::string& figure, const std::string& goal) {
+  std::printf("| harness | %s | %.3f | %s | %s |\n", what.c_str(), ms, figure.c_str(),
+              goal.c_str());
+}
+
+std::string Format(const char* format, double value) {
+  char text[64];
+  std::snprintf(text, sizeof(text), format, value);
+  return text;
+}
+
+// pack f32 -> f16 and unpack f16 -> f32 of 400 MB of float32 in 50 tensors, against a device
+// memcpy of the same bytes (bandwidth counts bytes read plus bytes written).
+void TimeConvert() {
+  const int64_t n = 100'000'000;
+  const int tensors = 50;
+  std::mt19937 rng(7);
+  std::vector<float> host(n);
+  std::normal_distribution<float> normal;
+  for (auto& x : host) x = normal(rng);
   DeviceBytes f32(n * 4);
   DeviceBytes f16(n * 2);
-  cudaMemset(f32.ptr, 0, f32.size);
-  const ConvertJob pack = {f32.ptr, f16.ptr, n, Dtype::kFloat32, Dtype::kFloat16};
-  const float pack_ms =
-      TimeMs([&] { LaunchOrDie(poseidon::cuda::LaunchConvert(&pack, 1, 0.5f, nullptr), "pack"); });
+  DeviceBytes copy(n * 4);
+  CudaOrDie(cudaMemcpy(f32.ptr, host.data(), f32.size, cudaMemcpyHostToDevice), "copy");
+  std::vector<ConvertJob> pack;
+  std::vector<ConvertJob> unpack;
+  for (int t = 0; t < tensors; ++t) {
+    const int64_t begin = n * t / tensors;
+    const int64_t size = n * (t + 1) / tensors - begin;
+    pack.push_back({static_cast<float*>(f32.ptr) + begin, static_cast<uint16_t*>(f16.ptr) + begin,
+                    size, Dtype::kFloat32, Dtype::kFloat16});
+    unpack.push_back({static_cast<uint16_t*>(f16.ptr) + begin, static_cast<float*>(f32.ptr) + begin,
+                      size, Dtype::kFloat16, Dtype::kFloat32});
+  }
   const float copy_ms = TimeMs([&] {
-    CudaOrDie(cudaMemcpyAsync(f16.ptr, f32.ptr, f16.size, cudaMemcpyDeviceToDevice), "copy");
+    CudaOrDie(cudaMemcpyAsync(copy.ptr, f32.ptr, f32.size, cudaMemcpyDeviceToDevice), "copy");
   });
-  std::printf("TIME pack 100 MB f32 -> f16: %.3f ms, %.0f GB/s (device memcpy %.0f GB/s)\n",
-              pack_ms, n * 6 / pack_ms / 1e6, f16.size * 2 / copy_ms / 1e6);
+  const double copy_gbps = 2.0 * f32.size / copy_ms / 1e6;
+  Row("device memcpy, 400 MB", copy_ms, Format("%.0f GB/s", copy_gbps), "");
+  const float pack_ms = TimeMs([&] {
+    LaunchOrDie(poseidon::cuda::LaunchConvert(pack.data(), tensors, 0.5f, nullptr), "pack");
+  });
+  const float unpack_ms = TimeMs([&] {
+    LaunchOrDie(poseidon::cuda::LaunchConvert(unpack.data(), tensors, 2.0f, nullptr), "unpack");
+  });
+  for (const auto& [what, ms] : {std::pair<const char*, float>{"pack", pack_ms},
+                                 std::pair<const char*, float>{"unpack", unpack_ms}}) {
+    const double gbps = 6.0 * n / ms / 1e6;
+    const double share = gbps / copy_gbps;
+    Row(std::string(what) + " f32 <-> f16, 400 MB f32 in 50 tensors", ms,
+        Format("%.0f GB/s", gbps) + Format(" (%.0f%% of memcpy)", 100 * share), ">= 50% of memcpy");
+    Check(share >= 0.5, std::string(what) + " bandwidth " + Format("%.0f%%", 100 * share) +
+                            " of device memcpy (goal >= 50%)");
+  }
   const int64_t p = 8;
   const int64_t chunk = n / p;
   const float sum_ms = TimeMs([&] {
@@ -275,48 +278,144 @@ void TimeKernels() {
                                                 Dtype::kFloat32, nullptr),
                 "sum");
   });
-  std::printf("TIME sum_chunks P=8, n=%lld f16 -> f32: %.3f ms, %.0f GB/s\n",
-              static_cast<long long>(chunk), sum_ms, (p * chunk * 2 + chunk * 4) / sum_ms / 1e6);
-  for (const auto& shape : {std::vector<int64_t>{64, 25088, 4096}, {64, 4096, 4096}}) {
-    const int64_t r = shape[0], m = shape[1], cols = shape[2];
-    DeviceBytes u(r * m * 4), v(r * cols * 4), out(m * cols * 4);
-    cudaMemset(u.ptr, 0, u.size);
-    cudaMemset(v.ptr, 0, v.size);
-    const float ms = TimeMs([&] {
-      LaunchOrDie(poseidon::cuda::LaunchSfbReconstruct(u.ptr, v.ptr, Dtype::kFloat32, r, m, cols,
-                                                       1.0f, static_cast<float*>(out.ptr),
-                                                       nullptr),
-                  "sfb");
-    });
-    std::printf("TIME sfb_reconstruct f32 R=%lld M=%lld N=%lld: %.3f ms, %.0f GFLOP/s\n",
-                static_cast<long long>(r), static_cast<long long>(m),
-                static_cast<long long>(cols), ms, 2.0 * r * m * cols / ms / 1e6);
+  Row("sum_chunks P=8 f16 -> f32, 200 MB in", sum_ms,
+      Format("%.0f GB/s", (p * chunk * 2 + chunk * 4) / sum_ms / 1e6), "");
+}
+
+#ifdef POSEIDON_HARNESS_CUBLAS
+void CublasOrDie(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: cuBLAS status %d\n", what, static_cast<int>(status));
+    std::exit(2);
   }
 }
+
+cudaDataType CudaType(Dtype dtype) {
+  return dtype == Dtype::kFloat16 ? CUDA_R_16F : dtype == Dtype::kBFloat16 ? CUDA_R_16BF
+                                                                            : CUDA_R_32F;
+}
+
+// out = scale * u^T v through sfb_gemm.h's mapping, as the TF GPU kernel calls it.
+void SfbGemm(cublasHandle_t handle, const void* u, const void* v, Dtype dtype, int64_t r, int64_t m,
+             int64_t n, float scale, float* out, bool tf32) {
+  const poseidon::SfbGemm g = poseidon::SfbGemm::For(r, m, n);
+  const float beta = 0.0f;
+  CublasOrDie(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_T, g.m, g.n, g.k, &scale, v,
+                           CudaType(dtype), g.lda, u, CudaType(dtype), g.ldb, &beta, out,
+                           CUDA_R_32F, g.ldc,
+                           tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+}
+
+void CheckSfb(cublasHandle_t handle, Dtype dtype, int64_t r, int64_t m, int64_t n,
+              std::mt19937* rng) {
+  const float scale = 0.5f;
+  std::normal_distribution<float> normal;
+  std::vector<uint8_t> u(r * m * ElementSize(dtype));
+  std::vector<uint8_t> v(r * n * ElementSize(dtype));
+  std::vector<float> u32(r * m);
+  std::vector<float> v32(r * n);
+  VisitDtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (auto [bytes, floats] : {std::pair{&u, &u32}, std::pair{&v, &v32}}) {
+      auto* out = reinterpret_cast<typename T::Storage*>(bytes->data());
+      for (size_t i = 0; i < floats->size(); ++i) {
+        out[i] = T::FromFloat(normal(*rng));
+        (*floats)[i] = T::ToFloat(out[i]);
+      }
+    }
+  });
+  DeviceBytes u_device(u);
+  DeviceBytes v_device(v);
+  DeviceBytes out(m * n * sizeof(float));
+  if (r > 0) {
+    SfbGemm(handle, u_device.ptr, v_device.ptr, dtype, r, m, n, scale,
+            static_cast<float*>(out.ptr), false);
+  } else {
+    CudaOrDie(cudaMemset(out.ptr, 0, out.size), "zero");
+  }
+  std::vector<float> got(m * n);
+  CudaOrDie(cudaMemcpy(got.data(), out.ptr, out.size, cudaMemcpyDeviceToHost), "copy");
+  double worst = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double expected = 0.0;
+      double magnitude = 0.0;
+      for (int64_t k = 0; k < r; ++k) {
+        const double term = static_cast<double>(u32[k * m + i]) * scale * v32[k * n + j];
+        expected += term;
+        magnitude += std::fabs(term);
+      }
+      worst = std::max(worst, std::fabs(got[i * n + j] - expected) / (1e-6 * (1.0 + magnitude)));
+    }
+  }
+  Check(worst <= 1.0, std::string("sfb GEMM mapping ") + Name(dtype) + ", R=" +
+                          std::to_string(r) + ", M=" + std::to_string(m) + ", N=" +
+                          std::to_string(n) + ": within float32 rounding of float64");
+}
+
+void TimeSfb(cublasHandle_t handle) {
+  for (const auto& shape : {std::vector<int64_t>{64, 25088, 4096}, {64, 4096, 4096}}) {
+    const int64_t r = shape[0], m = shape[1], n = shape[2];
+    for (const auto& variant : {std::pair{Dtype::kFloat32, false},
+                                std::pair{Dtype::kFloat32, true},
+                                std::pair{Dtype::kFloat16, false}}) {
+      const Dtype dtype = variant.first;
+      const bool tf32 = variant.second;
+      std::mt19937 rng(11);
+      DeviceBytes u(FuzzElements(dtype, r * m, &rng));
+      DeviceBytes v(FuzzElements(dtype, r * n, &rng));
+      DeviceBytes out(m * n * 4);
+      const float ms = TimeMs([&] {
+        SfbGemm(handle, u.ptr, v.ptr, dtype, r, m, n, 1.0f, static_cast<float*>(out.ptr), tf32);
+      });
+      Row(std::string("sfb GEMM (cuBLAS) ") + Name(dtype) + (tf32 ? " tf32" : "") + ", R=" +
+              std::to_string(r) + " M=" + std::to_string(m) + " N=" + std::to_string(n),
+          ms, Format("%.1f TFLOP/s", 2.0 * r * m * n / ms / 1e9), "");
+    }
+  }
+}
+#endif  // POSEIDON_HARNESS_CUBLAS
 
 }  // namespace
 
 int main() {
+  // The float32 environment of TensorFlow's CPU kernels, which the device code matches.
+  _mm_setcsr(_mm_getcsr() | 0x8040);  // flush-to-zero | denormals-are-zero
   std::mt19937 rng(20240531);
-  const std::vector<int64_t> odd_sizes = {1, 7, 0, 1023, 100003};
+  const std::vector<int64_t> odd_sizes = {1, 7, 0, 1023, 4097, 100003};
   const std::vector<int64_t> many_sizes(150, 37);
   for (Dtype tensor_type : kDtypes) {
     for (Dtype wire_type : kDtypes) {
-      CheckConvert(tensor_type, wire_type, odd_sizes, &rng);
+      for (float scale : {1.0f, 0.5f, 1.0f / 3}) {
+        CheckConvert(tensor_type, wire_type, odd_sizes, scale, &rng);
+      }
       CheckSumChunks(wire_type, tensor_type, 3, 100003, &rng);
     }
   }
-  CheckConvert(Dtype::kFloat32, Dtype::kFloat16, many_sizes, &rng);
-  for (const auto& pn : {std::vector<int64_t>{0, 5}, {1, 1}, {8, 1023}}) {
+  CheckConvert(Dtype::kFloat32, Dtype::kFloat16, many_sizes, 0.5f, &rng);
+  for (const auto& pn : {std::vector<int64_t>{0, 5}, {1, 1}, {8, 1023}, {5, 4097}}) {
     CheckSumChunks(Dtype::kFloat16, Dtype::kFloat32, pn[0], pn[1], &rng);
   }
+#ifdef POSEIDON_HARNESS_CUBLAS
+  cublasHandle_t handle;
+  CublasOrDie(cublasCreate(&handle), "cublasCreate");
   for (Dtype dtype : kDtypes) {
     for (const auto& shape : {std::vector<int64_t>{5, 7, 3}, {64, 129, 33}, {1, 1, 1}, {0, 4, 5},
                               {100, 70, 130}}) {
-      CheckSfb(dtype, shape[0], shape[1], shape[2], &rng);
+      CheckSfb(handle, dtype, shape[0], shape[1], shape[2], &rng);
     }
   }
-  TimeKernels();
+#else
+  std::printf("SKIP sfb GEMM mapping: built without cuBLAS (no cublas_v2.h)\n");
+#endif
+  std::printf("| part | what | ms (median) | rate | goal |\n|---|---|---|---|---|\n");
+  TimeConvert();
+#ifdef POSEIDON_HARNESS_CUBLAS
+  TimeSfb(handle);
+  cublasDestroy(handle);
+#endif
   std::printf("%s: %d failure(s)\n", failures == 0 ? "OK" : "FAILED", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -1,5 +1,7 @@
 // CUDA kernels of tf_poseidon behind the launcher API of poseidon_cuda.h. Plain CUDA: no
 // TensorFlow header, so nvcc never parses TensorFlow and the harness links without TensorFlow.
+// Compiled with -ftz=true -fmad=false (kernels/build.py), so that the element arithmetic of
+// convert.h gives the CPU kernels' bits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,8 +15,11 @@ namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// Loads each thread issues before its first store: enough bytes in flight to approach the memory
+// bandwidth (a single load per thread at a time leaves most of it idle).
+constexpr int kUnroll = 8;
 // Elements of one job converted by one thread block.
-constexpr int64_t kConvertBlockElements = 16 * kThreads;
+constexpr int64_t kConvertBlockElements = 2 * kUnroll * kThreads;
 // Jobs per kernel launch: the batch travels as a kernel parameter (< 4 KB).
 constexpr int kJobsPerLaunch = 64;
 
@@ -52,10 +57,20 @@ __global__ void ConvertKernel(const __grid_constant__ JobBatch batch) {
     VisitDtype(job.dst_type, [&](auto out) {
       using In = decltype(in);
       using Out = decltype(out);
-      const auto* src = static_cast<const typename In::Storage*>(job.src);
-      auto* dst = static_cast<typename Out::Storage*>(job.dst);
-      for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        dst[i] = ScaleConvert<In, Out>(src[i], batch.scale);
+      const auto* __restrict__ src = static_cast<const typename In::Storage*>(job.src);
+      auto* __restrict__ dst = static_cast<typename Out::Storage*>(job.dst);
+      for (int64_t base = begin + threadIdx.x; base < end; base += kUnroll * blockDim.x) {
+        typename In::Storage x[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * static_cast<int64_t>(blockDim.x);
+          if (i < end) x[u] = src[i];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * static_cast<int64_t>(blockDim.x);
+          if (i < end) dst[i] = ScaleConvert<In, Out>(x[u], batch.scale);
+        }
       }
     });
   });
@@ -70,54 +85,6 @@ __global__ void SumChunksKernel(const typename Wire::Storage* chunks, int64_t nu
     float acc = 0.0f;
     for (int64_t p = 0; p < num_chunks; ++p) acc += Wire::ToFloat(chunks[p * n + j]);
     out[j] = Out::FromFloat(acc * scale);
-  }
-}
-
-// SFB tiling: a block of kSide x kSide threads computes a kTile x kTile output tile, each thread
-// kPerThread x kPerThread outputs, stepping through the rows of u and v kTileRows at a time.
-constexpr int kSide = 16;
-constexpr int kPerThread = 4;
-constexpr int kTile = kSide * kPerThread;
-constexpr int kTileRows = 16;
-
-template <typename T>
-__global__ void SfbReconstructKernel(const typename T::Storage* u, const typename T::Storage* v,
-                                     int64_t rows, int64_t m, int64_t n, float scale, float* out) {
-  __shared__ float u_tile[kTileRows][kTile];
-  __shared__ float v_tile[kTileRows][kTile];
-  const int64_t tiles_n = CeilDiv(n, kTile);
-  const int64_t m0 = (blockIdx.x / tiles_n) * kTile;
-  const int64_t n0 = (blockIdx.x % tiles_n) * kTile;
-  const int tx = threadIdx.x;
-  const int ty = threadIdx.y;
-  float acc[kPerThread][kPerThread] = {};
-  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-    for (int k = ty * kSide + tx; k < kTileRows * kTile; k += kSide * kSide) {
-      const int64_t r = r0 + k / kTile;
-      const int64_t col = k % kTile;
-      const bool in_u = r < rows && m0 + col < m;
-      const bool in_v = r < rows && n0 + col < n;
-      u_tile[k / kTile][col] = in_u ? T::ToFloat(u[r * m + m0 + col]) * scale : 0.0f;
-      v_tile[k / kTile][col] = in_v ? T::ToFloat(v[r * n + n0 + col]) : 0.0f;
-    }
-    __syncthreads();
-    for (int r = 0; r < kTileRows; ++r) {
-      float a[kPerThread];
-      float b[kPerThread];
-      for (int i = 0; i < kPerThread; ++i) a[i] = u_tile[r][ty + kSide * i];
-      for (int j = 0; j < kPerThread; ++j) b[j] = v_tile[r][tx + kSide * j];
-      for (int i = 0; i < kPerThread; ++i) {
-        for (int j = 0; j < kPerThread; ++j) acc[i][j] += a[i] * b[j];
-      }
-    }
-    __syncthreads();
-  }
-  for (int i = 0; i < kPerThread; ++i) {
-    for (int j = 0; j < kPerThread; ++j) {
-      const int64_t row = m0 + ty + kSide * i;
-      const int64_t col = n0 + tx + kSide * j;
-      if (row < m && col < n) out[row * n + col] = acc[i][j];
-    }
   }
 }
 
@@ -152,19 +119,6 @@ const char* LaunchSumChunks(const void* chunks, Dtype wire_type, int64_t num_chu
           static_cast<const typename Wire::Storage*>(chunks), num_chunks, n, scale,
           static_cast<typename Out::Storage*>(out));
     });
-  });
-  return LastError();
-}
-
-const char* LaunchSfbReconstruct(const void* u, const void* v, Dtype type, int64_t rows, int64_t m,
-                                 int64_t n, float scale, float* out, CUstream_st* stream) {
-  const int64_t tiles = CeilDiv(m, kTile) * CeilDiv(n, kTile);
-  if (tiles == 0) return nullptr;
-  VisitDtype(type, [&](auto tag) {
-    using T = decltype(tag);
-    SfbReconstructKernel<T><<<tiles, dim3(kSide, kSide), 0, stream>>>(
-        static_cast<const typename T::Storage*>(u), static_cast<const typename T::Storage*>(v),
-        rows, m, n, scale, out);
   });
   return LastError();
 }

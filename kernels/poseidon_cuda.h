@@ -3,7 +3,8 @@
 // Plain C++: no TensorFlow and no CUDA header is needed to call it, so the same kernels serve the
 // TensorFlow GPU op (poseidon_kernels_gpu.cc, compiled by the host compiler) and the standalone
 // harness (cuda_harness.cu). Every pointer is device memory; every launcher only enqueues work on
-// `stream` (asynchronous) and returns nullptr on success or a CUDA error string.
+// `stream` (asynchronous) and returns nullptr on success or an error string. SFB reconstruction
+// has no launcher here: it is one cuBLAS GEMM (sfb_gemm.h).
 #ifndef TF_POSEIDON_KERNELS_POSEIDON_CUDA_H_
 #define TF_POSEIDON_KERNELS_POSEIDON_CUDA_H_
 
@@ -23,11 +24,6 @@ const char* LaunchConvert(const ConvertJob* jobs, int64_t count, float scale, CU
 // order p = 0, 1, ...; chunks [num_chunks, n] of wire_type, out [n] of out_type.
 const char* LaunchSumChunks(const void* chunks, Dtype wire_type, int64_t num_chunks, int64_t n,
                             float scale, void* out, Dtype out_type, CUstream_st* stream);
-
-// out = (scale * u)^T v, accumulated in float32; u [rows, m] and v [rows, n] of `type`, row-major;
-// out float32 [m, n], row-major.
-const char* LaunchSfbReconstruct(const void* u, const void* v, Dtype type, int64_t rows, int64_t m,
-                                 int64_t n, float scale, float* out, CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace poseidon

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "convert.h"
+#include "sfb_gemm.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -195,6 +196,13 @@ class SfbReconstructOp : public OpKernel {
                     u.dim_size(0) == v.dim_size(0),
                 absl::InvalidArgumentError(absl::StrCat(
                     "u must have shape [R, M] and v shape [R, N] with the same R, got u ",
+                    u.shape().DebugString(), " and v ", v.shape().DebugString())));
+    OP_REQUIRES(ctx,
+                u.dim_size(0) <= kMaxGemmDim && u.dim_size(1) <= kMaxGemmDim &&
+                    v.dim_size(1) <= kMaxGemmDim,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "u [R, M] and v [R, N] must have R, M and N below 2^31 (a GEMM's int "
+                    "dimensions), got u ",
                     u.shape().DebugString(), " and v ", v.shape().DebugString())));
     float scale;
     OP_REQUIRES_OK(ctx, ReadScale(ctx, "scale", &scale));

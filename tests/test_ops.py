@@ -9,6 +9,10 @@ import tensorflow as tf
 
 from tf_poseidon import ops
 
+# On a GPU these tests run there (TensorFlow places the ops on it); its float32 GEMMs round to
+# TensorFloat-32 by default, and the tests check float32 rounding.
+tf.config.experimental.enable_tensor_float_32_execution(False)
+
 FLOATS = [tf.float32, tf.float16, tf.bfloat16]
 # Shapes with odd sizes: scalar, 1, 7, 1023, 100003, and empty ones.
 SHAPES = [(), (1,), (7,), (0,), (33, 31), (100003,), (3, 0, 2)]

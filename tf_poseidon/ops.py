@@ -7,6 +7,9 @@
 
 Every function works eagerly (from any thread, on tensors or numpy arrays) and inside
 ``tf.function``; none has a gradient (they act on gradients, and report ``None`` to a tape).
+Each has a CPU and, in a CUDA TensorFlow, a GPU kernel, placed like any TensorFlow op; on both
+float32 denormals count as zeros (TensorFlow's flush-to-zero), and the GPU kernels of pack,
+unpack and sum_chunks give the CPU kernels' bits.
 
 Which implementation runs. The C++ (and, in a CUDA TensorFlow, CUDA) kernels of ``kernels/`` are
 compiled at install time into ``tf_poseidon/_poseidon_ops.so``. On first use that library is loaded
@@ -73,7 +76,8 @@ def pack(tensors: Sequence[tf.Tensor], wire_dtype: tf.DType, scale: Scale = 1.0)
 
     Returns:
       ``[sum of the sizes]`` tensor of ``wire_dtype``, tensors in order, each in row-major order.
-      NaN and Inf propagate. A dtype outside the three raises TypeError/InvalidArgumentError.
+      NaN and Inf propagate; a NaN keeps its sign (and, in float32, its payload, quieted). A
+      dtype outside the three raises TypeError/InvalidArgumentError.
     """
     return _backend().pack(
         [tf.convert_to_tensor(t) for t in tensors], tf.as_dtype(wire_dtype), _scale(scale)
@@ -134,12 +138,15 @@ def sfb_reconstruct(u: tf.Tensor, v: tf.Tensor, scale: Scale = 1.0) -> tf.Tensor
 
     Args:
       u: ``[R, M]`` stacked layer inputs (R = P * K rows), float32, float16 or bfloat16.
-      v: ``[R, N]`` stacked output gradients, same dtype as ``u``; a different R raises
+      v: ``[R, N]`` stacked output gradients, same dtype as ``u``; a different R, or R, M or
+        N of 2^31 or more (a GEMM's int dimensions, on every device), raises
         InvalidArgumentError.
       scale: float32 scalar (e.g. 1/P for a mean).
 
     Returns:
-      ``[M, N]`` float32, accumulated in float32 (R = 0 gives zeros).
+      ``[M, N]`` float32, accumulated in float32 (R = 0 gives zeros). On a GPU this is one
+      cuBLAS GEMM (TensorFlow's own); float32 factors are then rounded to TensorFloat-32 exactly
+      when ``tf.config.experimental.tensor_float_32_execution_enabled()``, as in ``tf.matmul``.
     """
     u, v = tf.convert_to_tensor(u), tf.convert_to_tensor(v)
     return _backend().sfb_reconstruct(u, v, _scale(scale))
