@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-eleven Keras functions; each wrapper acts only when the current strategy is a
+twelve Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -14,6 +14,10 @@ original unchanged:
   ``clipvalue``) moves from before that all-reduce, where Keras puts it and where it would see
   each rank's local gradient, to after it, so it clips the reduced gradient as one process
   would clip the gradient of the whole global batch;
+* with ``gradient_accumulation_steps`` (``BaseOptimizer._backend_apply_gradients``), each
+  micro-batch's gradient is weighted by the rank's share of that micro-batch before Keras
+  accumulates it (one tiny all-reduce of the row counts per micro-batch), so an uneven or empty
+  micro-batch weighs as it does in one process, and the update's reduction is a plain sum;
 * ``LossScaleOptimizer.check_finite`` decides on every rank's gradients, not only the local
   ones: Keras checks the gradients *before* they are all-reduced, so a NaN on one rank would
   make that rank skip the step (and its all-reduce) while the others wait for it. The ranks'
@@ -146,6 +150,32 @@ def _train_step(original):
     return wrapper
 
 
+def _backend_apply_gradients(original):
+    def wrapper(self, grads, trainable_variables):
+        extended = _poseidon_extended()
+        context = tf.distribute.get_replica_context()
+        local_batch = getattr(context, "local_batch", None)
+        if extended is None or local_batch is None or not self.gradient_accumulation_steps:
+            return original(self, grads, trainable_variables)
+        # Accumulating micro-batches: each one's gradient is weighted by this rank's share of
+        # that micro-batch before it is accumulated, and the update step's reduction is a
+        # plain sum (the weights of different micro-batches differ).
+        n_p = tf.cast(local_batch, tf.float32)
+        total = extended.sum_over_ranks([tf.reshape(n_p, [1])], "micro_batch")[0][0]
+        share = extended._num_replicas_in_sync * n_p / total
+        grads = [_scaled(g, share) for g in grads]
+        with context.weighting_by_batch_share(None):
+            return original(self, grads, trainable_variables)
+    return wrapper
+
+
+def _scaled(grad, factor: tf.Tensor):
+    """``grad`` (a tensor or IndexedSlices) times ``factor``, 0 where ``factor`` is 0."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_scaled(grad.values, factor), grad.indices, grad.dense_shape)
+    return tf.math.multiply_no_nan(grad, tf.cast(factor, grad.dtype))
+
+
 def _batchnorm_moments(original):
     def wrapper(self, inputs, mask):
         extended = _poseidon_extended()
@@ -221,6 +251,8 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_optimizer.TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_sum_gradients)
     _wrap(keras_tf_optimizer.TFOptimizer, "_backend_update_step", _backend_update_step)
     _wrap(keras_base_optimizer.BaseOptimizer, "_clip_gradients", _clip_gradients)
+    _wrap(keras_base_optimizer.BaseOptimizer, "_backend_apply_gradients",
+          _backend_apply_gradients)
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
