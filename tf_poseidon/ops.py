@@ -1,4 +1,5 @@
-"""Fused communication kernels (the "kernels" box of docs/architecture.md): the compiled TensorFlow ops.
+"""Fused communication kernels (the "kernels" box of docs/architecture.md): the compiled
+TensorFlow ops.
 
 * ``pack`` / ``unpack``: gradients <-> one flat wire buffer (float32, float16 or bfloat16),
   scaled in float32 on the way, in one pass (fp16 transfer with per-bucket scaling).
