@@ -1,4 +1,4 @@
-"""Bulk synchronous parallel (``mode="sync"``, the default): every step, every rank applies Σ_p g_p.
+"""Bulk synchronous parallel (``mode="sync"``, the default): each step every rank applies Σ_p g_p.
 
 With compression "none", P ranks at global batch B give the weights of one process at batch B,
 up to float summation order. With a 16-bit codec the sum travels in 16 bits and is accumulated
@@ -7,10 +7,10 @@ in float32 (comm/codecs.py).
 Per gradient, the protocol that carries it is the per-layer plan's choice (sacp/plan.py): Dense
 kernels may travel as sufficient factors (``sfb="auto"|"always"``; sfb/), embeddings' sparse
 gradients (``IndexedSlices``) as the rows each rank looked up (comm/sparse.py) when that is
-fewer bytes, every other gradient is all-reduced. While the replica function is traced, Dense layers record their factors
-(:meth:`SyncImpl.tracing_replica_function`); at the reduction all gradients — summed ones and
-factors — go into one group of buckets in backprop order (graph_ops.run_buckets), and the
-kernels sent by SFB are rebuilt from every rank's factors.
+fewer bytes, every other gradient is all-reduced. While the replica function is traced, Dense
+layers record their factors (:meth:`SyncImpl.tracing_replica_function`); at the reduction all
+gradients — summed ones, factors, sparse rows — go into one group of buckets in backprop order
+(graph_ops.run_buckets), and the kernels sent by SFB are rebuilt from every rank's factors.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class SyncImpl(AlgorithmImpl):
         session = self._sessions[-1] if self._sessions else None
         choices = self._planner.choose(session, grads, variables)
         names = variable_names(variables)
-        weight = batch_share.Weighting(local_batch, self.num_replicas) if local_batch is not None else None
+        weight = (batch_share.Weighting(local_batch, self.num_replicas)
+                  if local_batch is not None else None)
         items, inputs = [], []
         for grad, variable, name, (match, row) in zip(grads, variables, names, choices):
             if isinstance(grad, tf.IndexedSlices):
