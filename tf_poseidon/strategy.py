@@ -290,9 +290,9 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
         Called by the Keras optimizer integration with the local gradients of ``variables``
         (dense with static shapes, or ``IndexedSlices`` of embeddings, which may come back as
-        IndexedSlices: see algorithms/sync.py). Sync: Σ_p g_p, weighted by batch share when the replica
-        context carries this replica's example count (``_PoseidonReplicaContext.local_batch``,
-        set by Keras' train step integration).
+        IndexedSlices: see algorithms/sync.py). Sync: Σ_p g_p, weighted by batch share when
+        the replica context carries this replica's example count
+        (``_PoseidonReplicaContext.local_batch``, set by Keras' train step integration).
         """
         grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
                  for g in grads]
