@@ -49,7 +49,7 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     Raises ValueError (on every rank) if the variables differ. Timeout: the engine's.
     """
     described = describe(variables)
-    per_rank = engine.call(lambda comm: comm.allgather(described))
+    per_rank = engine.call(lambda comm: comm.allgather(described), label="variable check")
     mismatch = first_mismatch(per_rank)
     if mismatch:
         raise ValueError(
@@ -61,7 +61,8 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     for dtype, group in by_dtype.items():
         buffer = np.concatenate([np.asarray(v.numpy()).ravel() for v in group]) \
             if group else np.empty(0, dtype.as_numpy_dtype)
-        engine.call(lambda comm, b=buffer: comm.Bcast(collectives.as_mpi_buffer(b), root=0))
+        engine.call(lambda comm, b=buffer: comm.Bcast(collectives.as_mpi_buffer(b), root=0),
+                    label=f"initial broadcast of {dtype.name} variables")
         offset = 0
         for v in group:
             n = v.shape.num_elements()

@@ -402,7 +402,8 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         engine = self.engine
 
         def shortest(length: int) -> int:
-            return engine.call(lambda comm: collectives.min_over_ranks(comm, length))
+            return engine.call(lambda comm: collectives.min_over_ranks(comm, length),
+                               label="dataset length")
         return data_lib.RankLocalDataset(data_lib.end_together(dataset, shortest))
 
     def _experimental_distribute_values_from_function(self, value_fn):

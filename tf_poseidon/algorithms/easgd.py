@@ -164,7 +164,7 @@ class EASGDImpl(AlgorithmImpl):
                 raise RuntimeError("tf_poseidon: asynchronous EASGD needs an MPI library with "
                                    "MPI_THREAD_MULTIPLE (the center holder's thread and the "
                                    "engine's use MPI at the same time).")
-            comm = engine.call(lambda world_comm: world_comm.Dup())
+            comm = engine.call(lambda world_comm: world_comm.Dup(), label="EASGD communicator")
             if engine.rank == easgd_center.HOLDER_RANK:
                 self._holder = easgd_center.CenterHolder(comm, self.alpha)
             else:
@@ -297,7 +297,7 @@ class EASGDImpl(AlgorithmImpl):
                 comm.Bcast(as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
                 flats.append(flat)
             return flats
-        flats = self.engine.call(fetch)
+        flats = self.engine.call(fetch, label="EASGD center")
         return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
 
     # -- graph ops ---------------------------------------------------------------------------

@@ -19,10 +19,17 @@ sequential. The engine never reorders across groups.
 
 Control-plane work (the initial broadcast, descriptor checks) goes through the same queue with
 :meth:`CommEngine.call`, so it, too, is ordered with the data plane.
+
+Before it posts a group instance or runs a call, the engine checks that every rank posts the
+same (comm/agreement.py: one 16-byte all-gather); a mismatch raises on every rank, naming what
+each posted, instead of summing unrelated buffers or hanging. At exit every rank posts "end of
+program" the same way, so a rank still communicating learns that a peer has finished. After a
+failure the engine fails every later collective with the same error.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import itertools
@@ -36,7 +43,9 @@ import numpy as np
 
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm import timeline as timeline_lib
+from tf_poseidon.comm import agreement
 from tf_poseidon.comm.buckets import Bucket
+from tf_poseidon.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -45,10 +54,6 @@ DEFAULT_TIMEOUT_S = 120.0
 def collective_timeout_s() -> float:
     """Seconds any wait for a peer may last before failing (env ``TF_POSEIDON_TIMEOUT``)."""
     return float(os.environ.get("TF_POSEIDON_TIMEOUT", DEFAULT_TIMEOUT_S))
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the timeout: a peer died, hung, or diverged."""
 
 
 class CollectiveGroup:
@@ -71,10 +76,20 @@ class CollectiveGroup:
         self.name = name
         self.buckets = tuple(buckets)
         self.protocols = dict(protocols)
+        self._layout = tuple((b.kind, b.payload_bytes, b.payload_dtype.name) for b in buckets)
         self.num_buckets = len(self.buckets)
         self._results = [queue.SimpleQueue() for _ in range(self.num_buckets)]
         self._arrivals = [0] * self.num_buckets
         self._instances_started = 0
+
+    def signature(self, instance: int) -> agreement.Signature:
+        """What posting instance ``instance`` of this group is, for the ranks to agree on."""
+        return agreement.Signature(self.name, instance, self._layout)
+
+    def _fail(self, error: BaseException) -> None:
+        """Every bucket's next waiter gets ``error`` (engine thread)."""
+        for results in self._results:
+            results.put(error)
 
     def __repr__(self) -> str:
         return f"CollectiveGroup({self.name!r}, id={self.id}, buckets={self.num_buckets})"
@@ -123,6 +138,7 @@ class _BucketJob:
 class _CallJob:
     fn: Callable[[Any], Any]
     done: threading.Event
+    label: str
     result: Any = None
 
 
@@ -140,6 +156,7 @@ class CommEngine:
         self.stats = stats_lib.CommStats()
         self.timeline = timeline
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="tf_poseidon-comm", daemon=True)
         self._thread.start()
 
@@ -150,15 +167,18 @@ class CommEngine:
         """
         self._jobs.put(_BucketJob(group, index, payload, time.perf_counter()))
 
-    def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+    def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None,
+             label: str | None = None) -> Any:
         """Runs ``fn(comm)`` on the engine thread after all work submitted before it.
 
         Blocks the caller until it returns (at most ``timeout_s``, default
         :func:`collective_timeout_s`); returns its result or re-raises its exception. Every
-        rank must make the same sequence of calls, like any MPI collective.
+        rank must make the same sequence of calls, like any MPI collective: the ranks first
+        agree that they all run a call of the same ``label`` (default: ``fn``'s name).
         """
         timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
-        job = _CallJob(fn, threading.Event())
+        label = label or getattr(fn, "__name__", "call")
+        job = _CallJob(fn, threading.Event(), f"control-plane call {label!r}")
         self._jobs.put(job)
         if not job.done.wait(timeout_s):
             raise CollectiveTimeoutError(
@@ -184,6 +204,14 @@ class CommEngine:
                 job = stash.pop((group.id, instance, next_bucket), None)
                 if job is None:
                     break
+                if next_bucket == 0:
+                    self._agree(group.signature(instance))
+                if self._failure is not None:
+                    group._fail(self._failure)
+                    order.popleft()
+                    stash = {k: v for k, v in stash.items() if k[:2] != (group.id, instance)}
+                    next_bucket = 0
+                    continue
                 self._run_bucket(job)
                 next_bucket += 1
                 if next_bucket == group.num_buckets:
@@ -226,11 +254,24 @@ class CommEngine:
         group._results[job.index].put(result.value)
 
     def _run_call(self, job: _CallJob) -> None:
+        self._agree(agreement.Signature(job.label, None))
         try:
+            if self._failure is not None:
+                raise self._failure
             job.result = job.fn(self.comm)
         except BaseException as e:
             job.result = e
         job.done.set()
+
+    def _agree(self, signature: agreement.Signature) -> None:
+        """Checks with the other ranks (agreement.agree) unless the engine has failed already;
+        a mismatch or a timeout becomes the engine's failure."""
+        if self._failure is not None:
+            return
+        try:
+            agreement.agree(self.comm, signature, collective_timeout_s())
+        except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+            self._failure = e
 
 
 _engine: CommEngine | None = None
@@ -254,4 +295,17 @@ def get_engine() -> CommEngine:
             _engine = CommEngine(comm, timeline)
             if timeline is not None:
                 timeline.write_at_exit(_engine)
+            atexit.register(_end_of_program, _engine)
         return _engine
+
+
+def _end_of_program(engine: CommEngine) -> None:
+    """At exit, every rank agrees it has reached the end of its program (a rank still
+    communicating gets a CollectiveMismatchError naming this one); a mismatch here makes this
+    rank print it and abort the job (an exception in an exit handler would exit with 0)."""
+    try:
+        engine.call(lambda comm: None, label=agreement.END_OF_PROGRAM)
+    except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+        import sys
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        engine.comm.Abort(1)

@@ -53,7 +53,7 @@ class Timeline:
 
     def _gather_and_write(self, engine) -> None:
         events = self.events()
-        per_rank = engine.call(lambda comm: comm.gather(events, root=0))
+        per_rank = engine.call(lambda comm: comm.gather(events, root=0), label="timeline")
         if self.rank != 0:
             return
         names = [{"pid": r, "ph": "M", "name": "process_name", "args": {"name": f"rank {r}"}}

@@ -190,7 +190,7 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
                      for r, (c, why) in zip(plan_rows, choices)]
         return Plan(plan_rows, num_replicas, config.sfb, config.codec.name, rates)
 
-    return engine.call(decide)
+    return engine.call(decide, label="per-layer plan")
 
 
 def local_row(c: Candidate, num_replicas: int, element_bytes: float) -> LayerPlan:
