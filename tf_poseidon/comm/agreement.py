@@ -17,6 +17,7 @@ anything (dead, hung, or waiting elsewhere) raises CollectiveTimeoutError instea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 
@@ -38,9 +39,8 @@ class Signature:
     layout: tuple[tuple[str, int, str], ...] = ()
 
     def digest(self) -> np.ndarray:
-        """Two int64 words identifying ``what`` and ``layout``."""
-        text = repr((self.what, self.layout)).encode()
-        return np.frombuffer(hashlib.blake2b(text, digest_size=16).digest(), np.int64).copy()
+        """Two int64 words identifying ``what`` and ``layout`` (a new array)."""
+        return _digest(self.what, self.layout).copy()
 
     def describe(self) -> str:
         """E.g. ``gradients step 12 (2 buckets: allreduce 4.0 MiB float32, sfb 20.5 kB
@@ -110,6 +110,12 @@ def _wait(request, timeout_s: float, signature: Signature) -> None:
         if waited > 1e-3:
             sleep = min(max(2 * sleep, 2e-5), 5e-4)
             time.sleep(sleep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest(what: str, layout: tuple) -> np.ndarray:
+    text = repr((what, layout)).encode()
+    return np.frombuffer(hashlib.blake2b(text, digest_size=16).digest(), np.int64)
 
 
 def _ranks(ranks: list[int]) -> str:
