@@ -52,6 +52,8 @@ from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimi
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
 
+from tf_poseidon import timeouts
+
 _installed = False
 
 
@@ -162,6 +164,8 @@ def _get_metrics_result(original):
         if extended is None or (extended.in_replica_function()
                                 and not extended.synchronizer.lockstep):
             return original(self)
+        if not extended.synchronizer.lockstep:
+            timeouts.meet(extended.engine)  # ranks at their own pace: wait for the slowest
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
         flat = [s for state in states for s in state]

@@ -41,6 +41,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon import timeouts
 from tf_poseidon.comm import collectives, graph_ops
 from tf_poseidon.sync import easgd_center
 from tf_poseidon.sync.base import Synchronizer, variable_names
@@ -225,7 +226,10 @@ class EASGDSynchronizer(Synchronizer):
                 comm.Bcast(collectives.as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
                 flats.append(flat)
             return flats
-        flats = self.engine.call(fetch)
+        # A meeting point: the ranks, each at its own pace, wait here for the slowest.
+        flats = timeouts.engine_call(self.engine, fetch, timeouts.meeting_s(),
+                                     "the asynchronous EASGD meeting of all ranks",
+                                     "TF_POSEIDON_MEETING_TIMEOUT")
         return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
 
     # -- graph ops ---------------------------------------------------------------------------
