@@ -6,6 +6,7 @@ import re
 import pytest
 
 from multirank import check, run_job
+from tf_poseidon import timeouts
 
 
 def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
@@ -43,3 +44,78 @@ def test_uneven_per_rank_datasets_end_the_epoch_together(how):
     output = check(result)
     steps = re.findall(r"rank (\d) steps (\d+)", output)
     assert sorted(steps) == sorted([(str(r), "5") for r in range(3)] * 2), output
+
+
+# -- timeouts by phase (tf_poseidon/timeouts.py) ---------------------------------------------
+
+STEP_TIMEOUT_S = 3  # TF_POSEIDON_TIMEOUT of these jobs; their slow phases take longer
+
+
+def test_a_hung_rank_times_out_and_the_cause_is_the_last_line():
+    # Rank 1 stops for 600 s before its 4th batch; rank 0's gradient all-reduce times out
+    # (the job ends long before the sleep would). Rank 0's own output ends with the cause in
+    # one line, once, and the launcher's last line repeats it.
+    result, _ = run_job(2, "misbehave.py", "hang", timeout=240, mpi_args="--tag-output",
+                        env={"TF_POSEIDON_TIMEOUT": "5"})
+    assert result.returncode != 0
+    cause = ("CollectiveTimeoutError: bucket 0 of collective 'gradients' did not complete "
+             "within 5 s.")
+    lines = result.stdout.rstrip().split("\n")
+    assert lines[-1].startswith(f"tfposeidon-run: the job failed: rank 0: {cause}"), lines[-8:]
+    rank0 = [line for line in lines if line.startswith("[1,0]<")]
+    causes = [i for i, line in enumerate(rank0) if "] aborting the job: " in line]
+    assert len(causes) == 1, rank0[-30:]
+    assert rank0[causes[0]].startswith(
+        f"[1,0]<stderr>: [tf_poseidon rank 0] aborting the job: {cause}")
+    # ... as rank 0's last line before Open MPI's banner of the abort.
+    assert "MPI_ABORT was invoked on rank 0" in rank0[causes[0] + 2], rank0[-30:]
+    assert not any("] aborting the job: " in line for line in lines if line.startswith("[1,1]<"))
+
+
+def test_long_waits_of_healthy_ranks_do_not_time_out():
+    # Async EASGD, every wait longer than TF_POSEIDON_TIMEOUT: rank 1 reaches the first meeting
+    # 5 s late and spends 5 s more on one batch (rank 0 waits at the end of fit), then rank 0
+    # works alone for 5 s while rank 1 waits for its heartbeats.
+    delay = 5
+    result, _ = run_job(2, "slow_phases.py", "healthy", str(delay), timeout=300,
+                        env={"TF_POSEIDON_TIMEOUT": str(STEP_TIMEOUT_S)})
+    output = check(result)
+    fit = {rank: float(s) for rank, s in re.findall(r"rank (\d) fit (\S+) s", output)}
+    chief = {rank: float(s) for rank, s in re.findall(r"rank (\d) run_on_chief (\S+) s", output)}
+    assert fit["0"] > delay + STEP_TIMEOUT_S, output[-3000:]
+    assert chief["1"] >= delay, output[-3000:]
+    assert "rank 0 done" in output and "rank 1 done" in output
+
+
+@pytest.mark.parametrize("behaviour, cause", [
+    ("chief-long", "rank 0 has been trying to do slow work for more than 5 s "
+                   "(TF_POSEIDON_CHIEF_TIMEOUT); it is alive but has not finished."),
+    ("chief-stopped", f"rank 0 was to do slow work and has sent no heartbeat for "
+                      f"{STEP_TIMEOUT_S} s (TF_POSEIDON_TIMEOUT): its process is stopped or "
+                      "hangs."),
+])
+def test_waiting_for_rank_0_ends_when_it_stops_or_works_too_long(behaviour, cause):
+    # Rank 0's work would last 600 s: the other rank gives up at the chief limit (heartbeats
+    # keep coming) or when the heartbeats stop (rank 0 SIGSTOPs itself).
+    result, _ = run_job(2, "slow_phases.py", behaviour, timeout=240,
+                        env={"TF_POSEIDON_TIMEOUT": str(STEP_TIMEOUT_S),
+                             "TF_POSEIDON_CHIEF_TIMEOUT": "5"})
+    assert result.returncode != 0
+    last = result.stdout.rstrip().split("\n")[-1]
+    assert last == f"tfposeidon-run: the job failed: rank 1: CollectiveTimeoutError: {cause}", \
+        result.stdout[-3000:]
+
+
+def test_phase_limits_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TF_POSEIDON_TIMEOUT", "30")
+    assert timeouts.step_s() == 30
+    assert timeouts.broadcast_s(0) == 30
+    assert timeouts.broadcast_s(2_000_000_000) == 30 + 200  # 1 s per 10 MB
+    assert (timeouts.start_s(), timeouts.chief_s(), timeouts.meeting_s()) == (600, 3600, 3600)
+    monkeypatch.setenv("TF_POSEIDON_CHIEF_TIMEOUT", "7200")
+    assert timeouts.chief_s() == 7200
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("TF_POSEIDON_START_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"TF_POSEIDON_START_TIMEOUT='{bad}': give a "
+                                             "positive number of seconds"):
+            timeouts.start_s()

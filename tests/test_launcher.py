@@ -290,7 +290,7 @@ def test_sigterm_is_forwarded_then_enforced(monkeypatch, body, expected):
                               agent=[], start_timeout=1.0)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
-    assert launcher.run(job) == expected
+    assert launcher.run(job) == launcher.JobEnd(expected, True, [])
     assert time.monotonic() - start < 10
 
 

@@ -46,7 +46,15 @@ initialisation (tf_poseidon initialises MPI lazily).
 
 The wait for the job itself has no timeout (a job runs as long as it trains); Ctrl-C or
 SIGTERM is passed to ``mpirun``, which ends every rank, and the launcher waits at most 30 s
-for it before killing it. The exit status is ``mpirun``'s.
+for it before killing it. The exit status is ``mpirun``'s. When the job fails, the launcher's
+last lines name the cause, one per line: each rank's own (the one-line cause a rank prints
+before it aborts, e.g. a ``CollectiveTimeoutError``), then each rank that died of a signal.
+
+``--max-restarts N`` starts a failed job again (not one the user interrupted), up to N times,
+with ``TF_POSEIDON_RESTART`` set to the restart's number (0 on the first launch) on every rank;
+the program resumes from its own state (``tp.callbacks.BackupAndRestore``). Before a restart,
+remote hosts are checked again; with ``--min-np M`` the job restarts on the hosts still
+reachable, with fewer ranks if need be (at least M), else it is not restarted.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_START_TIMEOUT_S = 30.0
 SHUTDOWN_GRACE_S = 30.0
+RESTART_DELAY_S = 1.0
+RESTART_ENV = "TF_POSEIDON_RESTART"
 _AGENT_PARAMS = ("plm_rsh_agent", "plm_ssh_agent")
 _MCA_FLAGS = ("--mca", "-mca", "--prtemca", "--gmca")
 KEEPALIVE = {"oob_tcp_keepalive_time": "5", "oob_tcp_keepalive_intvl": "2",
@@ -109,6 +119,7 @@ class LaunchPlan:
     remote_hosts: list[str]
     agent: list[str]
     start_timeout: float
+    num_ranks: int = 0
 
 
 def find_mpirun() -> str:
@@ -233,6 +244,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
                         help="also send NAME (this environment's value, or VALUE) to every "
                              "rank; repeatable")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="start a failed job again, up to this many times (default 0)")
+    parser.add_argument("--min-np", type=int,
+                        help="on a restart, run on fewer ranks (at least this many) if hosts "
+                             "were lost (default: -np)")
     parser.add_argument("--timeline-filename",
                         help="write a communication timeline here (TF_POSEIDON_TIMELINE)")
     parser.add_argument("--mpi-args", default="",
@@ -279,6 +295,11 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
                           f"({', '.join(f'{h.name}:{h.slots}' for h in hosts)})")
     if args.start_timeout <= 0:
         raise LaunchError("--start-timeout must be positive")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.min_np is not None and not 1 <= args.min_np <= np_:
+        raise LaunchError(f"--min-np must be between 1 and the number of ranks ({np_}), got "
+                          f"{args.min_np}")
     mpi_args = shlex.split(args.mpi_args)
 
     env = dict(environ)
@@ -333,7 +354,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     argv += mpi_args
     argv += command
     return LaunchPlan(argv=argv, env=env, remote_hosts=remote, agent=agent or [],
-                      start_timeout=args.start_timeout)
+                      start_timeout=args.start_timeout, num_ranks=np_)
 
 
 def _exports(env: Mapping[str, str], extra: Sequence[str]) -> list[str]:
@@ -382,33 +403,94 @@ def check_reachable(hosts: Sequence[str], agent: Sequence[str], timeout: float) 
         return [msg for msg in pool.map(check, hosts) if msg is not None]
 
 
-def _relay(source, sink, lost_daemon: threading.Event) -> None:
+class FailureWatch:
+    """Reads the job's output as it is relayed and keeps what names the cause of a failure.
+
+    * each rank's one-line cause, printed last before it aborts (world.py's
+      ``[tf_poseidon rank R] aborting the job: ...``), the first per rank;
+    * ``mpirun``'s report of a rank that died of a signal (``process rank R with PID N on node
+      H exited on signal S``);
+    * ``mpirun``'s report of a lost host (it then ends the job but exits 0).
+
+    ``feed`` is called from the relay threads, one per stream; it is thread-safe.
+    """
+
+    _RANK_CAUSE = re.compile(rb"\[tf_poseidon rank (\d+)\] aborting the job: ([^\r\n]*)\r?\n")
+    _DIED = re.compile(rb"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+"
+                       rb"exited\s+on\s+signal\s+(\d+)(?:\s+\((\w+)\))?")
+    _WINDOW = 4096  # bytes of each stream kept, so that a report split across chunks is seen
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tails: dict[int, bytes] = {}
+        self.causes: dict[int, str] = {}
+        self.deaths: dict[int, str] = {}
+        self.lost_daemon = False
+
+    def ends_line(self, stream: int) -> bool:
+        """Whether the output of ``stream`` so far ends with a newline (or is empty)."""
+        with self._lock:
+            return self._tails.get(stream, b"\n").endswith(b"\n")
+
+    def feed(self, stream: int, chunk: bytes) -> None:
+        with self._lock:
+            window = self._tails.get(stream, b"") + chunk
+            self._tails[stream] = window[-self._WINDOW:]
+            if LOST_DAEMON in window:
+                self.lost_daemon = True
+            for match in self._RANK_CAUSE.finditer(window):
+                self.causes.setdefault(int(match[1]), match[2].decode(errors="replace"))
+            for match in self._DIED.finditer(window):
+                rank, pid, node, signum, name = match.groups()
+                self.deaths.setdefault(int(rank), (
+                    f"rank {int(rank)} (PID {int(pid)} on {node.decode(errors='replace')}) "
+                    f"died of signal {int(signum)}"
+                    + (f" ({name.decode()})" if name else "")))
+
+    def summary(self) -> list[str]:
+        """One line per cause found: the ranks' own causes, then the ranks that died (the root
+        cause when there is one, so it comes last)."""
+        with self._lock:
+            return ([f"rank {rank}: {cause}" for rank, cause in sorted(self.causes.items())]
+                    + [death for _, death in sorted(self.deaths.items())]
+                    + (["Open MPI lost a host"] if self.lost_daemon else []))
+
+
+def _relay(source, sink, stream: int, watch: FailureWatch) -> None:
     """Copies ``source`` to ``sink`` as it arrives (progress bars redraw with \\r, so by
-    chunk, not by line) and sets ``lost_daemon`` if Open MPI reports a lost host."""
-    tail = b""
+    chunk, not by line), showing every chunk to ``watch``."""
     for chunk in iter(lambda: source.read1(65536), b""):
         sink.write(chunk)
         sink.flush()
-        window = tail + chunk
-        if LOST_DAEMON in window:
-            lost_daemon.set()
-        tail = window[-len(LOST_DAEMON):]
+        watch.feed(stream, chunk)
 
 
-def run(launch: LaunchPlan) -> int:
-    """Runs mpirun in the foreground and returns its exit status (128+N for signal N).
+@dataclasses.dataclass(frozen=True)
+class JobEnd:
+    """How a run of ``mpirun`` ended: the launcher's exit status for it, whether the user
+    interrupted it (a forwarded SIGINT/SIGTERM), and one line per cause of a failure."""
 
-    Blocks until the job ends (no timeout: the job's length is the user's). SIGINT and
-    SIGTERM received meanwhile are passed to mpirun; if it has not ended SHUTDOWN_GRACE_S
-    after that, it is killed. mpirun's output is relayed; if Open MPI reports a lost host
-    (it then ends the job but exits 0), the status is 1.
+    status: int
+    interrupted: bool
+    causes: list[str]
+
+
+def run(launch: LaunchPlan) -> JobEnd:
+    """Runs mpirun in the foreground until the job ends (no timeout: the job's length is the
+    user's); its status is mpirun's (128+N for signal N).
+
+    SIGINT and SIGTERM received meanwhile are passed to mpirun; if it has not ended
+    SHUTDOWN_GRACE_S after that, it is killed. mpirun's output is relayed; if Open MPI reports
+    a lost host (it then ends the job but exits 0), the status is 1. When the job failed, the
+    causes found in its output are printed last, one line each, as
+    ``tfposeidon-run: the job failed: ...``.
     """
     proc = subprocess.Popen(launch.argv, env=launch.env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    lost_daemon = threading.Event()
-    relays = [threading.Thread(target=_relay, args=(stream, sink, lost_daemon), daemon=True)
-              for stream, sink in ((proc.stdout, sys.stdout.buffer),
-                                   (proc.stderr, sys.stderr.buffer))]
+    watch = FailureWatch()
+    relays = [threading.Thread(target=_relay, args=(stream, sink, number, watch), daemon=True)
+              for number, (stream, sink) in enumerate(((proc.stdout, sys.stdout.buffer),
+                                                       (proc.stderr, sys.stderr.buffer)))]
     for relay in relays:
         relay.start()
     forwarded: list[int] = []
@@ -432,25 +514,73 @@ def run(launch: LaunchPlan) -> int:
                                      "after the signal; killing it\n")
                     proc.kill()
                     proc.wait()
-                    return 128 + forwarded[0]
+                    return JobEnd(128 + forwarded[0], True, [])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for relay in relays:
             relay.join(timeout=SHUTDOWN_GRACE_S)
-    if code == 0 and lost_daemon.is_set():
+    status = 128 - code if code < 0 else code
+    if status == 0 and watch.lost_daemon:
         sys.stderr.write("tfposeidon-run: Open MPI lost a host and ended the job; exiting 1\n")
-        return 1
-    return 128 - code if code < 0 else code
+        status = 1
+    causes = watch.summary() if status != 0 else []
+    if causes and not (watch.ends_line(0) and watch.ends_line(1)):
+        sys.stderr.write("\n")  # the causes start a line, also where both streams meet
+    for cause in causes:
+        sys.stderr.write(f"tfposeidon-run: the job failed: {cause}\n")
+    sys.stderr.flush()
+    return JobEnd(status, bool(forwarded), causes)
+
+
+def replan(args: argparse.Namespace, environ: Mapping[str, str],
+           restart: int) -> LaunchPlan:
+    """The plan of restart number ``restart`` (1, 2, ...): the same command, with
+    ``TF_POSEIDON_RESTART`` set, on the hosts that are still reachable.
+
+    With hosts (``-H``/``--hostfile``, outside a Slurm allocation) every remote host is
+    checked again; unreachable ones are left out, and the job runs on min(-np, the slots
+    left) ranks. Raises LaunchError when that is fewer than ``--min-np`` (default: -np).
+    Blocks for the reachability check (at most ``--start-timeout``).
+    """
+    environ = {**environ, RESTART_ENV: str(restart)}
+    first = plan(args, environ)
+    if not first.remote_hosts:
+        return first
+    lost = set()
+    for failure in check_reachable(first.remote_hosts, first.agent, args.start_timeout):
+        host = failure.split(":", 1)[0]
+        lost.add(host)
+        sys.stderr.write(f"tfposeidon-run: {failure}\n")
+    if not lost:
+        return first
+    hosts = [h for h in (parse_hosts(args.hosts) if args.hosts else
+                         parse_hostfile(args.hostfile)) if h.name not in lost]
+    wanted = first.num_ranks
+    available = sum(h.slots for h in hosts)
+    needed = args.min_np if args.min_np is not None else wanted
+    if available < needed:
+        raise LaunchError(f"{', '.join(sorted(lost))} cannot be reached; the hosts left have "
+                          f"{available} slots, fewer than the {needed} ranks needed "
+                          "(--min-np)")
+    smaller = argparse.Namespace(**{**vars(args), "np": min(wanted, available), "hostfile": None,
+                                    "hosts": ",".join(f"{h.name}:{h.slots}" for h in hosts)})
+    return plan(smaller, environ)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tfposeidon-run``; returns the exit status (mpirun's, or 2 for a bad
-    command line, 1 for unreachable hosts)."""
+    command line, 1 for unreachable hosts).
+
+    With ``--max-restarts N``, a job that fails (not one the user interrupted) is started
+    again, up to N times (see :func:`replan`); each restart is logged. The status is the
+    last run's.
+    """
     parser = make_parser()
     args = parse_args(parser, sys.argv[1:] if argv is None else argv)
+    environ = ({**os.environ, RESTART_ENV: "0"} if args.max_restarts else dict(os.environ))
     try:
-        launch = plan(args, os.environ)
+        launch = plan(args, environ)
     except LaunchError as e:
         parser.print_usage(sys.stderr)
         sys.stderr.write(f"tfposeidon-run: error: {e}\n")
@@ -464,7 +594,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("tfposeidon-run: cannot reach every host, not launching:\n  "
                          + "\n  ".join(failures) + "\n")
         return 1
-    return run(launch)
+    for restart in range(1, args.max_restarts + 1):
+        end = run(launch)
+        if end.status == 0 or end.interrupted:
+            return end.status
+        time.sleep(RESTART_DELAY_S)
+        try:
+            launch = replan(args, os.environ, restart)
+        except LaunchError as e:
+            sys.stderr.write(f"tfposeidon-run: not restarting: {e}\n")
+            return end.status
+        sys.stderr.write(f"tfposeidon-run: restarting the job (restart {restart} of "
+                         f"{args.max_restarts}, {launch.num_ranks} ranks) after exit status "
+                         f"{end.status}\n")
+        sys.stderr.flush()
+        if args.verbose:
+            print(shlex.join(launch.argv), flush=True)
+    return run(launch).status
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import threading
 import traceback
@@ -226,6 +227,38 @@ def mpi_comm():
     return comm
 
 
+ABORT_MARK = "aborting the job:"
+"""Begins the one-line cause a rank prints last before it aborts (the launcher looks for it)."""
+
+# "SomeError: tf_poseidon: ..." as Python prints an exception, also inside the text of a
+# TensorFlow error that wraps one raised in a py/numpy_function.
+_WRAPPED_CAUSE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (tf_poseidon\b.*)$", re.M)
+
+
+def fault_summary(exc: BaseException) -> str:
+    """``exc``'s cause in one line, ``"TypeName: message"``.
+
+    The first exception of the chain (``__cause__``/``__context__``) that tf_poseidon raised
+    for a fault (a CollectiveTimeoutError) is the cause; else the first tf_poseidon error
+    quoted inside an exception's text (TensorFlow reports an error raised inside an op as
+    text); else ``exc`` itself, by the first line of its message.
+    """
+    chain, seen, current = [], set(), exc
+    while current is not None and id(current) not in seen:
+        chain.append(current)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    found = next(((type(e).__name__, str(e)) for e in chain
+                  if type(e).__name__ == "CollectiveTimeoutError"), None)
+    if found is None:
+        match = next(filter(None, (_WRAPPED_CAUSE.search(str(e)) for e in chain)), None)
+        found = (match[1], match[2]) if match else (type(exc).__name__, str(exc))
+    name, message = found
+    lines = message.strip().splitlines()
+    first = lines[0].removeprefix("tf_poseidon: ") if lines else ""
+    return f"{name}: {first}" if first else name
+
+
 _hook_installed = False
 
 
@@ -233,8 +266,10 @@ def abort_on_uncaught_exception() -> None:
     """Makes an uncaught exception on any rank end the whole job.
 
     Without this, a rank that raises exits (or hangs in MPI_Finalize) while its peers block in
-    a collective forever. The hook prints the traceback prefixed with the rank, then calls
-    MPI_Abort, which makes the launcher kill every rank with a non-zero exit status.
+    a collective forever. The hook prints the traceback prefixed with the rank, then, as the
+    rank's last line, the cause in one line (:func:`fault_summary`: a timeout raised inside a
+    TensorFlow op is otherwise buried in TensorFlow's error text), then calls MPI_Abort, which
+    makes the launcher kill every rank with a non-zero exit status.
     """
     global _hook_installed
     if _hook_installed:
@@ -248,7 +283,8 @@ def abort_on_uncaught_exception() -> None:
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             sys.stderr.write(f"[tf_poseidon rank {rank()}] uncaught exception, aborting the job:\n"
-                             f"{text}")
+                             f"{text}[tf_poseidon rank {rank()}] {ABORT_MARK} "
+                             f"{fault_summary(exc)}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         if _comm is not None:
