@@ -11,7 +11,9 @@
 # at least MIN_ACCURACY on 2 ranks. docs/launching.md ("An existing horovodrun") has the recipe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROJECT_PYTHON=$(realpath "${1:-.venv/bin/python}")
+PROJECT_PYTHON=${1:-.venv/bin/python}
+# Absolute, but not resolved: a venv's python is a symlink, and only its venv path finds the venv.
+[[ $PROJECT_PYTHON = /* ]] || PROJECT_PYTHON=$PWD/$PROJECT_PYTHON
 SIDE=${TF_POSEIDON_HOROVOD_VENV:-$HOME/.cache/tf_poseidon-horovod}
 MIN_ACCURACY=0.90
 
@@ -47,7 +49,7 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 horovodrun --mpi -np 2 --binding-args="--bind-to none" "${extra[@]}" \
     "$PROJECT_PYTHON" examples/train_digits.py --verbose 0 2>&1 | tee "$log"
-line=$(grep -E '^(\[[0-9,]+\]<stdout>:)?test accuracy: ' "$log" || true)
+line=$(grep -E '^(\[[0-9,]+\]<stdout>: ?)?test accuracy: ' "$log" || true)
 accuracy=$(sed -nE 's/.*test accuracy: ([0-9.]+) \(2 rank\(s\).*/\1/p' <<<"$line")
 if [ -z "$accuracy" ]; then
     echo "check_horovodrun: FAILED: no 'test accuracy: ... (2 rank(s)' line from rank 0" >&2
