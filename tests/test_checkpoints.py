@@ -1,25 +1,22 @@
 """tp.callbacks: rank 0 writes, atomically; a backup resumes exactly, at any number of ranks.
 
-Real jobs (tests/workers/checkpoint_train.py, checkpoint_kill.py). One P=2 job trains the
+Real jobs (tests/workers/checkpoint_train.py). One P=2 job trains the
 reference run (4 epochs with ModelCheckpoints and a BackupAndRestore), then a second run that
 every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and
 P=3, and must end with the reference's weights and optimizer state. Checkpoint files are
-loaded here, in a process that did not write them.
+loaded here, in a process that did not write them. SIGKILLs mid-save: the kill drills of
+tests/test_failures_and_logging.py.
 """
 
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import keras
 import numpy as np
 import pytest
 
-from multirank import WORKERS, check, job_env, run_job
+from multirank import WORKERS, check, run_job
 from tf_poseidon import callbacks as tp_callbacks
 
 EPOCHS, INTERRUPT_AFTER = 4, 2
@@ -88,41 +85,6 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
         assert max_difference(resumed["weights"], reference["weights"]) <= TOLERANCE
         assert max_difference(resumed["optimizer"], reference["optimizer"]) <= TOLERANCE
     assert not backup.exists()
-
-
-def wait_for(condition, process, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"the worker ended before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
-def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
-    process = subprocess.Popen([sys.executable, os.path.join(WORKERS, "checkpoint_kill.py"),
-                                str(tmp_path)], env=job_env(), stdout=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: (tmp_path / "epoch1.json").exists(), process, 240,
-                 "the first epoch's checkpoints")
-        temp = tmp_path / f".tp-tmp-{process.pid}-model.keras"
-        wait_for(temp.exists, process, 120, "the second epoch's save to start")
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
-    assert temp.exists() and not (tmp_path / "epoch2.json").exists(), "killed too late"
-    with open(tmp_path / "epoch1.json") as f:
-        epoch1 = json.load(f)
-    model = keras.models.load_model(tmp_path / "model.keras")
-    sums = [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights]
-    assert sums == pytest.approx(epoch1, rel=1e-12)
-    # The backup (written after the checkpoint) still names epoch 1 and loads.
-    with open(tmp_path / "backup" / "training_metadata.json") as f:
-        metadata = json.load(f)
-    assert metadata["epoch"] == 1
-    model.load_weights(tmp_path / "backup" / metadata["weights"])
-    assert [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights] == \
-        pytest.approx(epoch1, rel=1e-12)
 
 
 def test_example_trains_resumes_and_exports(tmp_path):

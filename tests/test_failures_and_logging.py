@@ -1,11 +1,22 @@
 """Nothing hangs and nothing is silent: a failing rank ends the job, different models are
-named, and only rank 0 prints Keras' progress while every rank holds the global History."""
+named, and only rank 0 prints Keras' progress while every rank holds the global History;
+each phase's timeout; kill drills (docs/failures.md)."""
 
+import contextlib
+import importlib.util
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
+import keras
+import numpy as np
 import pytest
 
-from multirank import check, run_job
+from multirank import WORKERS, check, job_env, run_job
 from tf_poseidon import timeouts
 
 
@@ -119,3 +130,96 @@ def test_phase_limits_come_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"TF_POSEIDON_START_TIMEOUT='{bad}': give a "
                                              "positive number of seconds"):
             timeouts.start_s()
+
+
+# -- kill drills: SIGKILL of a rank at four points (tests/workers/checkpoint_kill.py) ---------
+
+KILL_BOUND_S = 60  # from the kill to the launcher's exit
+
+
+def wait_for(condition, process, timeout_s: float, what: str, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"the job ended before {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.002)
+
+
+def load_checkpoint_sums(path) -> list[float]:
+    """The sums of the weights of the .keras file ``path``, loaded with the worker's module
+    imported (its Tripwire layer is in the model)."""
+    spec = importlib.util.spec_from_file_location("checkpoint_kill",
+                                                  os.path.join(WORKERS, "checkpoint_kill.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker.weight_sums(keras.models.load_model(path))
+
+
+@pytest.mark.parametrize("victim, when", [(1, "forward"), (1, "collective"), (1, "save"),
+                                          (0, "save")])
+def test_kill_drill(tmp_path, victim, when):
+    # Rank `victim` is SIGKILLed in epoch 2: in its forward pass (it kills itself), waiting in
+    # the gradient all-reduce (rank 0 is 8 s late to it), or while rank 0 writes epoch 2's
+    # checkpoint (134 MB). The job must end non-zero within KILL_BOUND_S, the launcher's last
+    # line naming the lost rank, and the checkpoint directory must hold a complete checkpoint:
+    # epoch 1's (or, when rank 0 finished its rename before it was killed too, epoch 2's).
+    log = tmp_path / "log"
+    args = ["--arm", when] if when != "save" else []
+    args += ["--width", "4096" if when == "save" else "256"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", sys.executable,
+         os.path.join(WORKERS, "checkpoint_kill.py"), str(tmp_path), *args],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=job_env(), cwd=tmp_path)
+    try:
+        wait_for(lambda: (tmp_path / "epoch1.json").exists(), process, 300,
+                 "first epoch's checkpoint", log)
+        pids = [int((tmp_path / f"pid_rank{r}").read_text()) for r in (0, 1)]
+        temp = tmp_path / f".tp-tmp-{pids[0]}-model.keras"
+        if when == "forward":
+            wait_for(lambda: (tmp_path / "killing").exists(), process, 120, "kill", log)
+            killed_at = float((tmp_path / "killing").read_text())
+        else:
+            if when == "collective":
+                wait_for(lambda: (tmp_path / "rank1_forward").exists(), process, 120,
+                         "rank 1's forward pass of epoch 2", log)
+                time.sleep(2)  # rank 1 is in the all-reduce; rank 0 sleeps 6 s more
+                assert not (tmp_path / "epoch2.json").exists()
+            else:  # epoch<e>.json is written just before epoch e's saves
+                wait_for(lambda: (tmp_path / "epoch2.json").exists(), process, 120,
+                         "second epoch's end", log)
+                wait_for(temp.exists, process, 120, "second epoch's save", log)
+            os.kill(pids[victim], signal.SIGKILL)
+            killed_at = time.time()
+        try:
+            status = process.wait(timeout=KILL_BOUND_S + 60)
+        except subprocess.TimeoutExpired:
+            status = None
+        ended_at = time.time()
+    finally:
+        process.kill()
+        process.wait()
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = log.read_text(errors="replace")
+    assert status is not None and status != 0, output[-4000:]
+    assert ended_at - killed_at < KILL_BOUND_S, f"{ended_at - killed_at:.0f} s:\n{output[-4000:]}"
+    last = output.rstrip().split("\n")[-1]
+    assert re.fullmatch(rf"tfposeidon-run: the job failed: rank {victim} \(PID "
+                        rf"{pids[victim]} on \S+\) died of signal 9 \(Killed\)", last), \
+        output[-4000:]
+    # A complete checkpoint, bit for bit the state of the epoch it names, never a torn one.
+    epochs = {e: json.loads((tmp_path / f"epoch{e}.json").read_text())
+              for e in (1, 2) if (tmp_path / f"epoch{e}.json").exists()}
+    possible = [1, 2] if when == "save" and victim == 1 else [1]
+    sums = load_checkpoint_sums(tmp_path / "model.keras")
+    assert any(sums == pytest.approx(epochs[e], rel=1e-12) for e in possible if e in epochs)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert metadata["epoch"] in possible
+    model = keras.models.load_model(tmp_path / "model.keras")
+    model.load_weights(tmp_path / "backup" / metadata["weights"])
+    assert [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights] == \
+        pytest.approx(epochs[metadata["epoch"]], rel=1e-12)
+    print(f"rank {victim} killed at {when}: job ended {ended_at - killed_at:.1f} s later; "
+          f"checkpoint and backup of epoch {metadata['epoch']}")
