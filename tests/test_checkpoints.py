@@ -10,13 +10,16 @@ tests/test_failures_and_logging.py.
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import keras
 import numpy as np
 import pytest
 
-from multirank import WORKERS, check, run_job
+from multirank import WORKERS, check, job_env, run_job
 from tf_poseidon import callbacks as tp_callbacks
 
 EPOCHS, INTERRUPT_AFTER = 4, 2
@@ -68,8 +71,9 @@ def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     with open(backup / "training_metadata.json") as f:
         metadata = json.load(f)
     assert metadata["epoch"] == INTERRUPT_AFTER
-    # Only the committed weights file is left (earlier ones are removed after each commit).
-    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], "training_metadata.json"])
+    # Only the committed files are left (earlier ones are removed after each commit).
+    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], metadata["state"],
+                                                 "training_metadata.json"])
 
 
 @pytest.mark.parametrize("num_ranks", [0, 3], ids=["P=1", "P=3"])
@@ -85,6 +89,38 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
         assert max_difference(resumed["weights"], reference["weights"]) <= TOLERANCE
         assert max_difference(resumed["optimizer"], reference["optimizer"]) <= TOLERANCE
     assert not backup.exists()
+
+
+def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
+    # Backups every 5 batches (12 per epoch, 4 epochs, a Dropout layer); rank 1 is SIGKILLed
+    # before epoch 3's 9th batch on the first launch. tfposeidon-run --max-restarts 1 starts the
+    # job again, which resumes after 6 batches of epoch 3 (the last backup) and must end like
+    # an uninterrupted run: weights, optimizer state and the last two epochs' losses.
+    args = ["--save-freq", "5", "--dropout"]
+    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    check(run_job(2, "checkpoint_train.py", str(reference), "--backup",
+                  str(reference / "backup"), *args)[0])
+    done = subprocess.run(
+        [sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--max-restarts", "1",
+         sys.executable, os.path.join(WORKERS, "checkpoint_train.py"), str(restarted),
+         "--backup", str(restarted / "backup"), *args, "--kill-rank1-at", "3:9"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_env(), timeout=600,
+        cwd=tmp_path)
+    done.stdout = done.stdout.decode("utf-8", errors="replace")
+    output = check(done)
+    assert re.search(r"tfposeidon-run: the job failed: rank 1 \(PID \d+ on \S+\) died of "
+                     r"signal 9 \(Killed\)\ntfposeidon-run: restarting the job \(restart 1 of 1, "
+                     r"2 ranks\) after exit status \d+\n", output), output[-4000:]
+    assert output.count("tf_poseidon BackupAndRestore: resuming at epoch 3, after 6 of its "
+                        "steps, from ") == 1, output[-4000:]
+    expected = np.load(reference / "resumed_rank0.npz")
+    for rank in (0, 1):
+        got = np.load(restarted / f"resumed_rank{rank}.npz")
+        assert max_difference(got["weights"], expected["weights"]) <= TOLERANCE
+        assert max_difference(got["optimizer"], expected["optimizer"]) <= TOLERANCE
+        assert len(got["loss"]) == 2
+        assert max_difference(got["loss"], expected["loss"][2:]) <= TOLERANCE
+    assert not (restarted / "backup").exists()
 
 
 def test_example_trains_resumes_and_exports(tmp_path):
@@ -118,10 +154,24 @@ class InterruptAfter(keras.callbacks.Callback):
             raise Interrupted()
 
 
-def plain_fit(callbacks, epochs=5) -> tuple[keras.Model, list]:
+class InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch, self.current = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.current, batch) == (self.epoch, self.batch):
+            raise Interrupted()
+
+
+def plain_fit(callbacks, epochs=5, dropout=False) -> tuple[keras.Model, list]:
     keras.utils.set_random_seed(1)
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    layers = [keras.layers.Dense(8), keras.layers.Dropout(0.5)] if dropout else []
+    model = keras.Sequential([keras.Input((4,)), *layers, keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     history = model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=epochs, shuffle=False,
                         callbacks=callbacks, verbose=0)
@@ -136,8 +186,9 @@ def test_plain_keras_double_checkpoint_falls_back_to_previous(tmp_path):
     with open(backup / "training_metadata.json") as f:
         metadata = json.load(f)
     assert (metadata["epoch"], metadata["previous"]["epoch"]) == (3, 2)
-    assert sorted(os.listdir(backup)) == sorted([metadata["weights"],
+    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], metadata["state"],
                                                  metadata["previous"]["weights"],
+                                                 metadata["previous"]["state"],
                                                  "training_metadata.json"])
     (backup / metadata["weights"]).write_bytes(b"lost to a disk error")
     resumed, losses = plain_fit([tp_callbacks.BackupAndRestore(str(backup),
@@ -157,3 +208,34 @@ def test_plain_keras_checkpoint_path_that_is_a_directory(tmp_path):
     plain_fit([tp_callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="loss",
                                             save_best_only=True, verbose=1)], epochs=2)
     assert sorted(os.listdir(tmp_path)) == ["best.keras", "model.keras"]
+
+
+def test_plain_keras_resumes_mid_epoch_exactly(tmp_path, capsys):
+    # Backups every 3 batches (4 per epoch); interrupted before epoch 2's 4th batch, so the
+    # last backup is after 2 batches of epoch 2: the resumed run skips those 2, with the
+    # dropout generator's state and the epoch's metric state restored.
+    backup = str(tmp_path / "backup")
+    with pytest.raises(Interrupted):
+        plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(1, 3)],
+                  epochs=3, dropout=True)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert (metadata["epoch"], metadata["steps_done"]) == (1, 2)
+    # Interrupted again, in the resumed run: its backups name the right epoch.
+    with pytest.raises(Interrupted):
+        plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(2, 1)],
+                  epochs=3, dropout=True)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert (metadata["epoch"], metadata["steps_done"]) == (2, 1)
+    resumed, losses = plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3)],
+                                epochs=3, dropout=True)
+    printed = capsys.readouterr().out
+    assert "resuming at epoch 2, after 2 of its steps" in printed
+    assert "resuming at epoch 3, after 1 of its steps" in printed
+    reference, reference_losses = plain_fit([], epochs=3, dropout=True)
+    assert len(losses) == 1
+    assert max_difference(losses, reference_losses[2:]) <= TOLERANCE
+    for ours, theirs in zip(resumed.weights + resumed.optimizer.variables,
+                            reference.weights + reference.optimizer.variables):
+        assert max_difference(ours.numpy(), theirs.numpy()) <= TOLERANCE

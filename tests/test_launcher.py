@@ -302,3 +302,56 @@ def test_the_programs_own_flags_are_passed_through_untouched():
     assert args.command == ["python", "train.py", "--verbose", "--n", "3", "-np", "7"]
     args = launcher.parse_args(parser, ["-np", "2", "--", "--weird-program"])
     assert args.command == ["--weird-program"]
+
+
+def test_restart_leaves_out_lost_hosts_down_to_min_np(tmp_path):
+    agent = tmp_path / "agent.sh"
+    agent.write_text('#!/bin/sh\ncase "$1" in lost*) echo "no route to $1" >&2; exit 255;; '
+                     'esac\n')
+    agent.chmod(0o755)
+    argv = ["-np", "4", "-H", "good:2,lost:2", "--max-restarts", "1", "--mpi-args",
+            f"--mca plm_rsh_agent {agent}", "python", "x.py"]
+    args = launcher.parse_args(launcher.make_parser(), ["--min-np", "2", *argv])
+    restart = launcher.replan(args, {"PATH": "/usr/bin"}, 1)
+    assert restart.argv[restart.argv.index("-H") + 1] == "good:2"
+    assert restart.argv[restart.argv.index("-np") + 1] == "2" and restart.num_ranks == 2
+    assert restart.env["TF_POSEIDON_RESTART"] == "1" and "TF_POSEIDON_RESTART" in exported(
+        restart.argv)
+    args = launcher.parse_args(launcher.make_parser(), argv)  # --min-np defaults to -np
+    with pytest.raises(launcher.LaunchError, match=r"lost cannot be reached; the hosts left "
+                                                   r"have 2 slots, fewer than the 4 ranks"):
+        launcher.replan(args, {"PATH": "/usr/bin"}, 1)
+
+
+RESTART_SCRIPT = textwrap.dedent("""
+    import os, sys
+    restart = os.environ["TF_POSEIDON_RESTART"]
+    rank = os.environ["OMPI_COMM_WORLD_RANK"]
+    print(f"rank {rank} launch {restart}", flush=True)
+    sys.exit(3 if rank == "1" and int(restart) < {failures} else 0)
+""")
+
+
+@pytest.mark.parametrize("failures, status", [(1, 0), (5, 3)])
+def test_max_restarts_starts_a_failed_job_again(capfd, failures, status):
+    # Rank 1 exits 3 on the first `failures` launches; two restarts are allowed.
+    code = launcher.main(["-np", "2", "--max-restarts", "2", sys.executable, "-c",
+                          RESTART_SCRIPT.replace("{failures}", str(failures))])
+    out, err = capfd.readouterr()
+    assert code == status
+    launches = min(failures + 1, 3)
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == sorted(
+        f"rank {r} launch {n}" for r in (0, 1) for n in range(launches))
+    assert [line for line in err.splitlines() if "restarting" in line] == [
+        f"tfposeidon-run: restarting the job (restart {n} of 2, 2 ranks) after exit status 3"
+        for n in range(1, launches)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "2", "--max-restarts", "-1", "python", "x.py"], "--max-restarts must be >= 0"),
+    (["-np", "2", "--min-np", "3", "python", "x.py"], r"--min-np must be between 1 and the "
+                                                      r"number of ranks \(2\), got 3"),
+])
+def test_bad_restart_flags(argv, message):
+    with pytest.raises(launcher.LaunchError, match=message):
+        plan(*argv)

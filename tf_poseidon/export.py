@@ -35,7 +35,7 @@ SERVING_SIGNATURE = "serving_default"
 
 # -- the protocol ---------------------------------------------------------------------------
 
-def _multi_rank_strategy(model: keras.Model):
+def multi_rank_strategy(model: keras.Model):
     """The PoseidonStrategy ``model`` was created under if it spans several ranks, else None."""
     from tf_poseidon.strategy import PoseidonStrategy
     strategy = model.distribute_strategy
@@ -50,7 +50,7 @@ def consistent_state(model: keras.Model) -> ContextManager[None]:
     Collective when ``model`` was created under a PoseidonStrategy: call it on every rank,
     at the same point of the program. Otherwise it does nothing.
     """
-    strategy = _multi_rank_strategy(model)
+    strategy = multi_rank_strategy(model)
     return strategy.extended.consistent_state() if strategy else contextlib.nullcontext()
 
 
@@ -64,7 +64,7 @@ def run_on_chief(model: keras.Model, work: Callable[[], int], what: str) -> int:
     every other rank raises RuntimeError naming ``what`` (rank 0's output holds the reason).
     Without such a strategy ``work`` simply runs here.
     """
-    strategy = _multi_rank_strategy(model)
+    strategy = multi_rank_strategy(model)
     if strategy is None:
         return work()
     return chief.run(strategy.extended.engine, work, what)
