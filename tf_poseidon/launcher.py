@@ -75,6 +75,8 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from tf_poseidon.world import ABORT_MARK
+
 # What a rank on another host needs of the caller's environment: finding this Python
 # environment, and the variables TensorFlow, Keras and the OpenMP runtime read at start-up.
 FORWARDED_NAMES = (
@@ -415,7 +417,8 @@ class FailureWatch:
     ``feed`` is called from the relay threads, one per stream; it is thread-safe.
     """
 
-    _RANK_CAUSE = re.compile(rb"\[tf_poseidon rank (\d+)\] aborting the job: ([^\r\n]*)\r?\n")
+    _RANK_CAUSE = re.compile(rb"\[tf_poseidon rank (\d+)\] " + re.escape(ABORT_MARK.encode())
+                             + rb" ([^\r\n]*)\r?\n")
     _DIED = re.compile(rb"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+"
                        rb"exited\s+on\s+signal\s+(\d+)(?:\s+\((\w+)\))?")
     _WINDOW = 4096  # bytes of each stream kept, so that a report split across chunks is seen
