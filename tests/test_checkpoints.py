@@ -1,19 +1,19 @@
 """tp.callbacks: rank 0 writes, atomically; a backup resumes exactly, at any number of ranks.
 
-Real jobs (tests/workers/checkpoint_train.py, checkpoint_kill.py). One P=2 job trains the
+Real jobs (tests/workers/checkpoint_train.py). One P=2 job trains the
 reference run (4 epochs with ModelCheckpoints and a BackupAndRestore), then a second run that
 every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and
 P=3, and must end with the reference's weights and optimizer state. Checkpoint files are
-loaded here, in a process that did not write them.
+loaded here, in a process that did not write them. SIGKILLs mid-save: the kill drills of
+tests/test_failures_and_logging.py.
 """
 
 import json
 import os
+import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -71,8 +71,9 @@ def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     with open(backup / "training_metadata.json") as f:
         metadata = json.load(f)
     assert metadata["epoch"] == INTERRUPT_AFTER
-    # Only the committed weights file is left (earlier ones are removed after each commit).
-    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], "training_metadata.json"])
+    # Only the committed files are left (earlier ones are removed after each commit).
+    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], metadata["state"],
+                                                 "training_metadata.json"])
 
 
 @pytest.mark.parametrize("num_ranks", [0, 3], ids=["P=1", "P=3"])
@@ -90,39 +91,36 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     assert not backup.exists()
 
 
-def wait_for(condition, process, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"the worker ended before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
-def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
-    process = subprocess.Popen([sys.executable, os.path.join(WORKERS, "checkpoint_kill.py"),
-                                str(tmp_path)], env=job_env(), stdout=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: (tmp_path / "epoch1.json").exists(), process, 240,
-                 "the first epoch's checkpoints")
-        temp = tmp_path / f".tp-tmp-{process.pid}-model.keras"
-        wait_for(temp.exists, process, 120, "the second epoch's save to start")
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
-    assert temp.exists() and not (tmp_path / "epoch2.json").exists(), "killed too late"
-    with open(tmp_path / "epoch1.json") as f:
-        epoch1 = json.load(f)
-    model = keras.models.load_model(tmp_path / "model.keras")
-    sums = [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights]
-    assert sums == pytest.approx(epoch1, rel=1e-12)
-    # The backup (written after the checkpoint) still names epoch 1 and loads.
-    with open(tmp_path / "backup" / "training_metadata.json") as f:
-        metadata = json.load(f)
-    assert metadata["epoch"] == 1
-    model.load_weights(tmp_path / "backup" / metadata["weights"])
-    assert [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights] == \
-        pytest.approx(epoch1, rel=1e-12)
+def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
+    # Backups every 5 batches (12 per epoch, 4 epochs, a Dropout layer); rank 1 is SIGKILLed
+    # before epoch 3's 9th batch on the first launch. tfposeidon-run --max-restarts 1 starts the
+    # job again, which resumes after 6 batches of epoch 3 (the last backup) and must end like
+    # an uninterrupted run: weights, optimizer state and the last two epochs' losses.
+    args = ["--save-freq", "5", "--dropout"]
+    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    check(run_job(2, "checkpoint_train.py", str(reference), "--backup",
+                  str(reference / "backup"), *args)[0])
+    done = subprocess.run(
+        [sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--max-restarts", "1",
+         sys.executable, os.path.join(WORKERS, "checkpoint_train.py"), str(restarted),
+         "--backup", str(restarted / "backup"), *args, "--kill-rank1-at", "3:9"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_env(), timeout=600,
+        cwd=tmp_path)
+    done.stdout = done.stdout.decode("utf-8", errors="replace")
+    output = check(done)
+    assert re.search(r"tfposeidon-run: the job failed: rank 1 \(PID \d+ on \S+\) died of "
+                     r"signal 9 \(Killed\)\ntfposeidon-run: restarting the job \(restart 1 of 1, "
+                     r"2 ranks\) after exit status \d+\n", output), output[-4000:]
+    assert output.count("tf_poseidon BackupAndRestore: resuming at epoch 3, after 6 of its "
+                        "steps, from ") == 1, output[-4000:]
+    expected = np.load(reference / "resumed_rank0.npz")
+    for rank in (0, 1):
+        got = np.load(restarted / f"resumed_rank{rank}.npz")
+        assert max_difference(got["weights"], expected["weights"]) <= TOLERANCE
+        assert max_difference(got["optimizer"], expected["optimizer"]) <= TOLERANCE
+        assert len(got["loss"]) == 2
+        assert max_difference(got["loss"], expected["loss"][2:]) <= TOLERANCE
+    assert not (restarted / "backup").exists()
 
 
 def test_example_trains_resumes_and_exports(tmp_path):
@@ -156,10 +154,24 @@ class InterruptAfter(keras.callbacks.Callback):
             raise Interrupted()
 
 
-def plain_fit(callbacks, epochs=5) -> tuple[keras.Model, list]:
+class InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch, self.current = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.current, batch) == (self.epoch, self.batch):
+            raise Interrupted()
+
+
+def plain_fit(callbacks, epochs=5, dropout=False) -> tuple[keras.Model, list]:
     keras.utils.set_random_seed(1)
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    layers = [keras.layers.Dense(8), keras.layers.Dropout(0.5)] if dropout else []
+    model = keras.Sequential([keras.Input((4,)), *layers, keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     history = model.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=epochs, shuffle=False,
                         callbacks=callbacks, verbose=0)
@@ -174,8 +186,9 @@ def test_plain_keras_double_checkpoint_falls_back_to_previous(tmp_path):
     with open(backup / "training_metadata.json") as f:
         metadata = json.load(f)
     assert (metadata["epoch"], metadata["previous"]["epoch"]) == (3, 2)
-    assert sorted(os.listdir(backup)) == sorted([metadata["weights"],
+    assert sorted(os.listdir(backup)) == sorted([metadata["weights"], metadata["state"],
                                                  metadata["previous"]["weights"],
+                                                 metadata["previous"]["state"],
                                                  "training_metadata.json"])
     (backup / metadata["weights"]).write_bytes(b"lost to a disk error")
     resumed, losses = plain_fit([tp_callbacks.BackupAndRestore(str(backup),
@@ -195,3 +208,34 @@ def test_plain_keras_checkpoint_path_that_is_a_directory(tmp_path):
     plain_fit([tp_callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), monitor="loss",
                                             save_best_only=True, verbose=1)], epochs=2)
     assert sorted(os.listdir(tmp_path)) == ["best.keras", "model.keras"]
+
+
+def test_plain_keras_resumes_mid_epoch_exactly(tmp_path, capsys):
+    # Backups every 3 batches (4 per epoch); interrupted before epoch 2's 4th batch, so the
+    # last backup is after 2 batches of epoch 2: the resumed run skips those 2, with the
+    # dropout generator's state and the epoch's metric state restored.
+    backup = str(tmp_path / "backup")
+    with pytest.raises(Interrupted):
+        plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(1, 3)],
+                  epochs=3, dropout=True)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert (metadata["epoch"], metadata["steps_done"]) == (1, 2)
+    # Interrupted again, in the resumed run: its backups name the right epoch.
+    with pytest.raises(Interrupted):
+        plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3), InterruptAt(2, 1)],
+                  epochs=3, dropout=True)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert (metadata["epoch"], metadata["steps_done"]) == (2, 1)
+    resumed, losses = plain_fit([tp_callbacks.BackupAndRestore(backup, save_freq=3)],
+                                epochs=3, dropout=True)
+    printed = capsys.readouterr().out
+    assert "resuming at epoch 2, after 2 of its steps" in printed
+    assert "resuming at epoch 3, after 1 of its steps" in printed
+    reference, reference_losses = plain_fit([], epochs=3, dropout=True)
+    assert len(losses) == 1
+    assert max_difference(losses, reference_losses[2:]) <= TOLERANCE
+    for ours, theirs in zip(resumed.weights + resumed.optimizer.variables,
+                            reference.weights + reference.optimizer.variables):
+        assert max_difference(ours.numpy(), theirs.numpy()) <= TOLERANCE

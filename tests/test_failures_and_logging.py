@@ -1,11 +1,23 @@
 """Nothing hangs and nothing is silent: a failing rank ends the job, different models are
-named, and only rank 0 prints Keras' progress while every rank holds the global History."""
+named, and only rank 0 prints Keras' progress while every rank holds the global History;
+each phase's timeout; kill drills (docs/failures.md)."""
 
+import contextlib
+import importlib.util
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
+import keras
+import numpy as np
 import pytest
 
-from multirank import check, run_job
+from multirank import WORKERS, check, job_env, run_job
+from tf_poseidon import timeouts
 
 
 def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
@@ -43,3 +55,171 @@ def test_uneven_per_rank_datasets_end_the_epoch_together(how):
     output = check(result)
     steps = re.findall(r"rank (\d) steps (\d+)", output)
     assert sorted(steps) == sorted([(str(r), "5") for r in range(3)] * 2), output
+
+
+# -- timeouts by phase (tf_poseidon/timeouts.py) ---------------------------------------------
+
+STEP_TIMEOUT_S = 3  # TF_POSEIDON_TIMEOUT of these jobs; their slow phases take longer
+
+
+def test_a_hung_rank_times_out_and_the_cause_is_the_last_line():
+    # Rank 1 stops for 600 s before its 4th batch; rank 0's gradient all-reduce times out
+    # (the job ends long before the sleep would). Rank 0's own output ends with the cause in
+    # one line, once, and the launcher's last line repeats it.
+    result, _ = run_job(2, "misbehave.py", "hang", timeout=240, mpi_args="--tag-output",
+                        env={"TF_POSEIDON_TIMEOUT": "5"})
+    assert result.returncode != 0
+    cause = ("CollectiveTimeoutError: bucket 0 of collective 'gradients' did not complete "
+             "within 5 s.")
+    lines = result.stdout.rstrip().split("\n")
+    assert lines[-1].startswith(f"tfposeidon-run: the job failed: rank 0: {cause}"), lines[-8:]
+    rank0 = [line for line in lines if line.startswith("[1,0]<")]
+    causes = [i for i, line in enumerate(rank0) if "] aborting the job: " in line]
+    assert len(causes) == 1, rank0[-30:]
+    assert rank0[causes[0]].startswith(
+        f"[1,0]<stderr>: [tf_poseidon rank 0] aborting the job: {cause}")
+    # ... as rank 0's last line before Open MPI's banner of the abort.
+    assert "MPI_ABORT was invoked on rank 0" in rank0[causes[0] + 2], rank0[-30:]
+    assert not any("] aborting the job: " in line for line in lines if line.startswith("[1,1]<"))
+
+
+def test_long_waits_of_healthy_ranks_do_not_time_out():
+    # Async EASGD, every wait longer than TF_POSEIDON_TIMEOUT: rank 1 reaches the first meeting
+    # 5 s late and spends 5 s more on one batch (rank 0 waits at the end of fit), then rank 0
+    # works alone for 5 s while rank 1 waits for its heartbeats.
+    delay = 5
+    result, _ = run_job(2, "slow_phases.py", "healthy", str(delay), timeout=300,
+                        env={"TF_POSEIDON_TIMEOUT": str(STEP_TIMEOUT_S)})
+    output = check(result)
+    fit = {rank: float(s) for rank, s in re.findall(r"rank (\d) fit (\S+) s", output)}
+    chief = {rank: float(s) for rank, s in re.findall(r"rank (\d) run_on_chief (\S+) s", output)}
+    assert fit["0"] > delay + STEP_TIMEOUT_S, output[-3000:]
+    assert chief["1"] >= delay, output[-3000:]
+    assert "rank 0 done" in output and "rank 1 done" in output
+
+
+@pytest.mark.parametrize("behaviour, cause", [
+    ("chief-long", "rank 0 has been trying to do slow work for more than 5 s "
+                   "(TF_POSEIDON_CHIEF_TIMEOUT); it is alive but has not finished."),
+    ("chief-stopped", f"rank 0 was to do slow work and has sent no heartbeat for "
+                      f"{STEP_TIMEOUT_S} s (TF_POSEIDON_TIMEOUT): its process is stopped or "
+                      "hangs."),
+])
+def test_waiting_for_rank_0_ends_when_it_stops_or_works_too_long(behaviour, cause):
+    # Rank 0's work would last 600 s: the other rank gives up at the chief limit (heartbeats
+    # keep coming) or when the heartbeats stop (rank 0 SIGSTOPs itself).
+    result, _ = run_job(2, "slow_phases.py", behaviour, timeout=240,
+                        env={"TF_POSEIDON_TIMEOUT": str(STEP_TIMEOUT_S),
+                             "TF_POSEIDON_CHIEF_TIMEOUT": "5"})
+    assert result.returncode != 0
+    last = result.stdout.rstrip().split("\n")[-1]
+    assert last == f"tfposeidon-run: the job failed: rank 1: CollectiveTimeoutError: {cause}", \
+        result.stdout[-3000:]
+
+
+def test_phase_limits_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TF_POSEIDON_TIMEOUT", "30")
+    assert timeouts.step_s() == 30
+    assert timeouts.broadcast_s(0) == 30
+    assert timeouts.broadcast_s(2_000_000_000) == 30 + 200  # 1 s per 10 MB
+    assert (timeouts.start_s(), timeouts.chief_s(), timeouts.meeting_s()) == (600, 3600, 3600)
+    monkeypatch.setenv("TF_POSEIDON_CHIEF_TIMEOUT", "7200")
+    assert timeouts.chief_s() == 7200
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("TF_POSEIDON_START_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"TF_POSEIDON_START_TIMEOUT='{bad}': give a "
+                                             "positive number of seconds"):
+            timeouts.start_s()
+
+
+# -- kill drills: SIGKILL of a rank at four points (tests/workers/checkpoint_kill.py) ---------
+
+KILL_BOUND_S = 60  # from the kill to the launcher's exit
+
+
+def wait_for(condition, process, timeout_s: float, what: str, log) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert process.poll() is None, f"the job ended before {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.002)
+
+
+def load_checkpoint_sums(path) -> list[float]:
+    """The sums of the weights of the .keras file ``path``, loaded with the worker's module
+    imported (its Tripwire layer is in the model)."""
+    spec = importlib.util.spec_from_file_location("checkpoint_kill",
+                                                  os.path.join(WORKERS, "checkpoint_kill.py"))
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker.weight_sums(keras.models.load_model(path))
+
+
+@pytest.mark.parametrize("victim, when", [(1, "forward"), (1, "collective"), (1, "save"),
+                                          (0, "save")])
+def test_kill_drill(tmp_path, victim, when):
+    # Rank `victim` is SIGKILLed in epoch 2: in its forward pass (it kills itself), waiting in
+    # the gradient all-reduce (rank 0 is 8 s late to it), or while rank 0 writes epoch 2's
+    # checkpoint (134 MB). The job must end non-zero within KILL_BOUND_S, the launcher's last
+    # line naming the lost rank, and the checkpoint directory must hold a complete checkpoint:
+    # epoch 1's (or, when rank 0 finished its rename before it was killed too, epoch 2's).
+    log = tmp_path / "log"
+    args = ["--arm", when] if when != "save" else []
+    args += ["--width", "4096" if when == "save" else "256"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", sys.executable,
+         os.path.join(WORKERS, "checkpoint_kill.py"), str(tmp_path), *args],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=job_env(), cwd=tmp_path)
+    try:
+        wait_for(lambda: (tmp_path / "epoch1.json").exists(), process, 300,
+                 "first epoch's checkpoint", log)
+        pids = [int((tmp_path / f"pid_rank{r}").read_text()) for r in (0, 1)]
+        temp = tmp_path / f".tp-tmp-{pids[0]}-model.keras"
+        if when == "forward":
+            wait_for(lambda: (tmp_path / "killing").exists(), process, 120, "kill", log)
+            killed_at = float((tmp_path / "killing").read_text())
+        else:
+            if when == "collective":
+                wait_for(lambda: (tmp_path / "rank1_forward").exists(), process, 120,
+                         "rank 1's forward pass of epoch 2", log)
+                time.sleep(2)  # rank 1 is in the all-reduce; rank 0 sleeps 6 s more
+                assert not (tmp_path / "epoch2.json").exists()
+            else:  # epoch<e>.json is written just before epoch e's saves
+                wait_for(lambda: (tmp_path / "epoch2.json").exists(), process, 120,
+                         "second epoch's end", log)
+                wait_for(temp.exists, process, 120, "second epoch's save", log)
+            os.kill(pids[victim], signal.SIGKILL)
+            killed_at = time.time()
+        try:
+            status = process.wait(timeout=KILL_BOUND_S + 60)
+        except subprocess.TimeoutExpired:
+            status = None
+        ended_at = time.time()
+    finally:
+        process.kill()
+        process.wait()
+        for pid in pids if "pids" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = log.read_text(errors="replace")
+    assert status is not None and status != 0, output[-4000:]
+    assert ended_at - killed_at < KILL_BOUND_S, f"{ended_at - killed_at:.0f} s:\n{output[-4000:]}"
+    last = output.rstrip().split("\n")[-1]
+    assert re.fullmatch(rf"tfposeidon-run: the job failed: rank {victim} \(PID "
+                        rf"{pids[victim]} on \S+\) died of signal 9 \(Killed\)", last), \
+        output[-4000:]
+    # A complete checkpoint, bit for bit the state of the epoch it names, never a torn one.
+    epochs = {e: json.loads((tmp_path / f"epoch{e}.json").read_text())
+              for e in (1, 2) if (tmp_path / f"epoch{e}.json").exists()}
+    possible = [1, 2] if when == "save" and victim == 1 else [1]
+    sums = load_checkpoint_sums(tmp_path / "model.keras")
+    assert any(sums == pytest.approx(epochs[e], rel=1e-12) for e in possible if e in epochs)
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        metadata = json.load(f)
+    assert metadata["epoch"] in possible
+    model = keras.models.load_model(tmp_path / "model.keras")
+    model.load_weights(tmp_path / "backup" / metadata["weights"])
+    assert [float(np.sum(v.numpy(), dtype=np.float64)) for v in model.weights] == \
+        pytest.approx(epochs[metadata["epoch"]], rel=1e-12)
+    print(f"rank {victim} killed at {when}: job ended {ended_at - killed_at:.1f} s later; "
+          f"checkpoint and backup of epoch {metadata['epoch']}")

@@ -69,6 +69,9 @@ def test_hostfile(tmp_path):
     hostfile.write_text("server1 slots=4\nserver2 max_slots=2\n")
     with pytest.raises(launcher.LaunchError, match=r"hosts:2: expected `host slots=N`"):
         launcher.parse_hostfile(str(hostfile))
+    hostfile.write_text("server1 slots=4\n-oProxyCommand=sh slots=1\n")
+    with pytest.raises(launcher.LaunchError, match=r"hosts:2: '-oProxyCommand=sh' is not a host"):
+        launcher.parse_hostfile(str(hostfile))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -77,6 +80,15 @@ def test_hostfile(tmp_path):
     (["-np", "2"], "no command given"),
     (["-H", "a:0", "python", "x.py"], "slots must be a positive integer"),
     (["-np", "2", "--start-timeout", "0", "python", "x.py"], "start-timeout must be positive"),
+    (["-np", "0", "python", "x.py"], "-np must be >= 1, got 0"),
+    (["-np", "-2", "-H", "a:2", "python", "x.py"], "-np must be >= 1, got -2"),
+    # A host name is never an ssh option (ssh would run the proxy command).
+    (["-np", "2", "-H", "a:1,-oProxyCommand=touch /tmp/pwned", "python", "x.py"],
+     r"'-oProxyCommand=touch /tmp/pwned' is not a host name"),
+    (["-np", "2", "-H", "a b:1", "python", "x.py"], r"'a b' is not a host name"),
+    (["-np", "2", "-x", "1BAD", "python", "x.py"], r"'1BAD' is not an environment variable"),
+    (["-np", "2", "-x", "NOT_SET_HERE", "python", "x.py"],
+     "NOT_SET_HERE is not set in this environment"),
 ])
 def test_bad_command_lines(argv, message):
     with pytest.raises(launcher.LaunchError, match=message):
@@ -106,16 +118,30 @@ def test_root_and_non_root(monkeypatch):
     assert "--allow-run-as-root" not in p.argv and "OMPI_ALLOW_RUN_AS_ROOT" not in p.env
 
 
+def exported(argv):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "-x"]
+
+
 def test_environment_forwarding_and_timeline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     environ = {"PATH": "/usr/bin", "PYTHONPATH": "/src", "TF_CPP_MIN_LOG_LEVEL": "2",
                "TF_POSEIDON_INTRA_THREADS": "1", "OMPI_MCA_btl_tcp_if_exclude": "docker0",
-               "CUDA_VISIBLE_DEVICES": "0", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x"}
+               "CUDA_VISIBLE_DEVICES": "0", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x",
+               "TF_CONFIG": '{"cluster": {}}', "TF_MY_TOKEN": "secret", "NCCL_DEBUG": "INFO",
+               "WANDB_API_KEY": "k", "DATA_DIR": "/data"}
     p = plan("-np", "2", "--timeline-filename", "tl.json", "python", "x.py", environ=environ)
-    forwarded = {p.argv[i + 1] for i, a in enumerate(p.argv) if a == "-x"}
-    assert forwarded == {"PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_POSEIDON_INTRA_THREADS",
-                         "OMPI_MCA_btl_tcp_if_exclude", "CUDA_VISIBLE_DEVICES",
-                         "TF_POSEIDON_TIMELINE"}
+    # The documented list only: not every TF_* (TF_CONFIG would describe another job), no
+    # secrets, nothing the ranks do not read.
+    assert set(exported(p.argv)) == {
+        "PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "TF_POSEIDON_INTRA_THREADS",
+        "OMPI_MCA_btl_tcp_if_exclude", "CUDA_VISIBLE_DEVICES", "TF_POSEIDON_TIMELINE"}
+    # -x adds a variable of this environment (once, even if forwarded anyway) or sets one.
+    extra = plan("-np", "2", "-x", "DATA_DIR", "-x", "PATH", "-x", "NCCL_DEBUG=WARN", "python",
+                 "x.py", environ=environ)
+    assert exported(extra.argv) == ["CUDA_VISIBLE_DEVICES", "OMPI_MCA_btl_tcp_if_exclude",
+                                    "PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
+                                    "TF_POSEIDON_INTRA_THREADS", "DATA_DIR", "NCCL_DEBUG=WARN"]
+    assert extra.argv[-2:] == ["python", "x.py"]
     assert p.env["TF_POSEIDON_TIMELINE"] == str(tmp_path / "tl.json")
     # The ranks' `python` is the launcher's own.
     assert p.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
@@ -145,6 +171,26 @@ def test_reachability_check_names_failing_and_silent_hosts():
     assert len(failures) == 2
     assert failures[0].startswith("bad:") and "no route to bad" in failures[0]
     assert failures[1].startswith("slow: no answer within the start timeout (1.5 s)")
+
+
+def test_ssh_check_ends_options_before_the_host(tmp_path):
+    # A stand-in `ssh` that records its arguments: the host comes after `--`.
+    ssh = tmp_path / "ssh"
+    ssh.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path}/argv\n")
+    ssh.chmod(0o755)
+    p = plan("-np", "2", "-H", "server1:1,server2:1", "python", "x.py")
+    agent = [str(ssh), *p.agent[1:]]
+    assert launcher.check_reachable(["server2"], agent, timeout=10) == []
+    assert (tmp_path / "argv").read_text().split("\n")[:-1] == [
+        "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "--", "server2", "true"]
+
+
+def test_host_name_that_is_an_option_is_refused_before_anything_runs(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    code = launcher.main(["-np", "2", "-H", f"a:1,-oProxyCommand=touch {marker}", "python",
+                          "x.py"])
+    assert code == 2 and not marker.exists()
+    assert "is not a host name" in capsys.readouterr().err
 
 
 def test_unreachable_host_prevents_launch(tmp_path, capsys):
@@ -194,6 +240,29 @@ def test_failing_rank_fails_the_launch(capfd):
     assert launcher.main(["-np", "2", sys.executable, "-c", rank_script(exit_code=3)]) != 0
 
 
+def test_mpi_without_thread_multiple_is_refused():
+    # A program that initialised MPI itself at a lower thread level: tf_poseidon's engine
+    # thread would share MPI with a main thread that may abort or finalize it.
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        import mpi4py
+        mpi4py.rc.thread_level = "serialized"
+        from mpi4py import MPI
+        spec = importlib.util.spec_from_file_location(
+            "world_only", {os.path.join(ROOT, "tf_poseidon", "world.py")!r})
+        world = importlib.util.module_from_spec(spec)
+        sys.modules["world_only"] = world
+        spec.loader.exec_module(world)
+        world.mpi_comm()
+    """)
+    done = subprocess.run([sys.executable, "-m", "tf_poseidon.launcher", "-np", "2",
+                           sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    assert ("WorldError: MPI runs with thread support MPI_THREAD_SERIALIZED; tf_poseidon needs "
+            "MPI_THREAD_MULTIPLE") in done.stderr, done.stderr[-3000:]
+
+
 def test_users_own_mca_settings_win():
     """Open MPI refuses a parameter given twice; the user's --mpi-args or OMPI_MCA_* win."""
     p = plan("-np", "2", "-H", "a:1,b:1", "--mpi-args", "--mca pml ucx --bind-to core",
@@ -221,7 +290,7 @@ def test_sigterm_is_forwarded_then_enforced(monkeypatch, body, expected):
                               agent=[], start_timeout=1.0)
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
-    assert launcher.run(job) == expected
+    assert launcher.run(job) == launcher.JobEnd(expected, True, [])
     assert time.monotonic() - start < 10
 
 
@@ -233,3 +302,56 @@ def test_the_programs_own_flags_are_passed_through_untouched():
     assert args.command == ["python", "train.py", "--verbose", "--n", "3", "-np", "7"]
     args = launcher.parse_args(parser, ["-np", "2", "--", "--weird-program"])
     assert args.command == ["--weird-program"]
+
+
+def test_restart_leaves_out_lost_hosts_down_to_min_np(tmp_path):
+    agent = tmp_path / "agent.sh"
+    agent.write_text('#!/bin/sh\ncase "$1" in lost*) echo "no route to $1" >&2; exit 255;; '
+                     'esac\n')
+    agent.chmod(0o755)
+    argv = ["-np", "4", "-H", "good:2,lost:2", "--max-restarts", "1", "--mpi-args",
+            f"--mca plm_rsh_agent {agent}", "python", "x.py"]
+    args = launcher.parse_args(launcher.make_parser(), ["--min-np", "2", *argv])
+    restart = launcher.replan(args, {"PATH": "/usr/bin"}, 1)
+    assert restart.argv[restart.argv.index("-H") + 1] == "good:2"
+    assert restart.argv[restart.argv.index("-np") + 1] == "2" and restart.num_ranks == 2
+    assert restart.env["TF_POSEIDON_RESTART"] == "1" and "TF_POSEIDON_RESTART" in exported(
+        restart.argv)
+    args = launcher.parse_args(launcher.make_parser(), argv)  # --min-np defaults to -np
+    with pytest.raises(launcher.LaunchError, match=r"lost cannot be reached; the hosts left "
+                                                   r"have 2 slots, fewer than the 4 ranks"):
+        launcher.replan(args, {"PATH": "/usr/bin"}, 1)
+
+
+RESTART_SCRIPT = textwrap.dedent("""
+    import os, sys
+    restart = os.environ["TF_POSEIDON_RESTART"]
+    rank = os.environ["OMPI_COMM_WORLD_RANK"]
+    print(f"rank {rank} launch {restart}", flush=True)
+    sys.exit(3 if rank == "1" and int(restart) < {failures} else 0)
+""")
+
+
+@pytest.mark.parametrize("failures, status", [(1, 0), (5, 3)])
+def test_max_restarts_starts_a_failed_job_again(capfd, failures, status):
+    # Rank 1 exits 3 on the first `failures` launches; two restarts are allowed.
+    code = launcher.main(["-np", "2", "--max-restarts", "2", sys.executable, "-c",
+                          RESTART_SCRIPT.replace("{failures}", str(failures))])
+    out, err = capfd.readouterr()
+    assert code == status
+    launches = min(failures + 1, 3)
+    assert sorted(line for line in out.splitlines() if line.startswith("rank")) == sorted(
+        f"rank {r} launch {n}" for r in (0, 1) for n in range(launches))
+    assert [line for line in err.splitlines() if "restarting" in line] == [
+        f"tfposeidon-run: restarting the job (restart {n} of 2, 2 ranks) after exit status 3"
+        for n in range(1, launches)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "2", "--max-restarts", "-1", "python", "x.py"], "--max-restarts must be >= 0"),
+    (["-np", "2", "--min-np", "3", "python", "x.py"], r"--min-np must be between 1 and the "
+                                                      r"number of ranks \(2\), got 3"),
+])
+def test_bad_restart_flags(argv, message):
+    with pytest.raises(launcher.LaunchError, match=message):
+        plan(*argv)

@@ -14,8 +14,10 @@ subclasses take the same arguments and change only where and how files are writt
 * files are written under a temporary name in the same directory, fsynced, then renamed into
   place (export.atomic_path);
 * BackupAndRestore commits a backup by atomically replacing one small JSON file that names the
-  weights file and the epoch, so the pair can never be torn; every rank restores from the
-  files that JSON names (a shared filesystem, or a copy of rank 0's directory, on each host).
+  weights file, the state file (random generators, the epoch's metrics) and the epoch and step,
+  so they can never be torn apart; every rank restores from the files that JSON names (a
+  shared filesystem, or a copy of rank 0's directory, on each host), and a backup taken in the
+  middle of an epoch resumes at the step after it (Keras restarts that epoch).
 
 A backup holds the model's and the optimizer's variables, which are the same at any number of
 ranks: a job may resume with a different world size (with the same global batch, sync training
@@ -30,11 +32,14 @@ import re
 import shutil
 
 import keras
+import numpy as np
+from keras.src.backend.common import global_state
+from keras.src.random import seed_generator as keras_seed_generator
 from keras.src.utils import io_utils
 
-from tf_poseidon.export import atomic_path, consistent_state, run_on_chief
+from tf_poseidon.export import atomic_path, consistent_state, multi_rank_strategy, run_on_chief
 
-_BACKUP_WEIGHTS = re.compile(r"backup-\d+\.weights\.h5")
+_BACKUP_FILE = re.compile(r"backup-\d+\.(weights\.h5|state\.npz)")
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -71,24 +76,33 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
 
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """``keras.callbacks.BackupAndRestore`` (same arguments) for multi-process jobs.
+    """``keras.callbacks.BackupAndRestore`` (same arguments) for multi-process jobs, resuming
+    exactly where the backup was taken, also in the middle of an epoch.
 
     Layout of ``backup_dir`` (rank 0 writes it; it must belong to one training run):
-    ``backup-<n>.weights.h5`` (model and optimizer variables) and ``training_metadata.json``
-    (``{"epoch", "batch", "weights", "serial", "previous"}``), the commit point: a backup
-    exists once the JSON naming it has been atomically replaced. ``double_checkpoint=True``
-    keeps the previous weights file too, named under ``"previous"``, and falls back to it if
-    the current one cannot be read.
+    ``backup-<n>.weights.h5`` (model and optimizer variables), ``backup-<n>.state.npz`` (what
+    else the next steps depend on: the random generators' states of the model's layers and
+    Keras' global one, and the epoch's metric states summed over ranks) and
+    ``training_metadata.json`` (``{"epoch", "batch", "steps_done", "weights", "state",
+    "serial", "previous"}``), the commit point: a backup exists once the JSON naming it has
+    been atomically replaced. ``double_checkpoint=True`` keeps the previous backup's files too,
+    named under ``"previous"``, and falls back to them if the current weights cannot be read.
 
     * ``on_train_begin`` — every rank reads the committed backup, if any, and restores the
-      model, the optimizer and the epoch to start from. Not collective; every rank must see
-      rank 0's files (shared filesystem or a copy).
-    * each save — collective and blocking, as in :class:`ModelCheckpoint`.
+      model, the optimizer, the random generators and the epoch to start from; rank 0 prints
+      where training resumes. Not collective; every rank must see rank 0's files (shared
+      filesystem or a copy).
+    * a backup taken after ``steps_done`` steps of an epoch (``save_freq`` an int) resumes in
+      that epoch: its first ``steps_done`` batches are read from the input and skipped (their
+      batch callbacks see empty logs, and no backup is taken during them), the epoch's metric
+      states are restored, and training goes on with the next batch. With the same global
+      batch, the same input order (``shuffle=False``, or an input whose order per epoch does
+      not depend on the epochs run before) and the same number of ranks, the resumed run
+      ends with the weights of an uninterrupted one.
+    * each save — collective and blocking, as in :class:`ModelCheckpoint` (one more small
+      collective sums the metric states).
     * ``on_train_end`` with ``delete_checkpoint=True`` — rank 0 removes ``backup_dir``;
       collective, so no rank starts another ``fit`` that could still see it.
-
-    As with Keras, a backup taken mid-epoch (``save_freq`` an int) restarts that epoch from
-    its beginning with the weights of the backup; resume is exact with ``save_freq="epoch"``.
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False,
@@ -96,62 +110,167 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         super().__init__(backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint,
                          delete_checkpoint=delete_checkpoint)
         self._committed: dict | None = None
+        self._in_epoch = False
+        self._resume_steps = 0              # steps of the resumed epoch to skip
+        self._resume_metrics: list | None = None
+        self._skipped = 0                   # batches of this epoch that _skip_steps skips
 
-    def _weights_file(self, entry: dict) -> str:
-        return os.path.join(self.backup_dir, entry["weights"])
+    def _file(self, name: str) -> str:
+        return os.path.join(self.backup_dir, name)
+
+    # -- restoring ---------------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._committed = None
+        self._committed, self._resume_steps, self._resume_metrics = None, 0, None
         if not os.path.exists(self._training_metadata_path):
+            restart = os.environ.get("TF_POSEIDON_RESTART", "0")
+            if restart != "0" and _is_chief(self.model):
+                io_utils.print_msg(f"tf_poseidon BackupAndRestore: restart {restart} of the job "
+                                   f"but no backup in {self.backup_dir}: training starts from "
+                                   "the beginning.")
             return
         with open(self._training_metadata_path) as f:
             self._committed = json.load(f)
+        entry = self._committed
         try:
-            self._restore(self._committed)
+            self._restore(entry)
         except OSError:
-            previous = self._committed.get("previous")
-            if previous is None:
+            entry = self._committed.get("previous")
+            if entry is None:
                 raise
-            self._restore(previous)
+            self._restore(entry)
             # The next backup's "previous" is the one just restored, not the unreadable one.
-            self._committed = {**previous, "serial": self._committed["serial"],
-                               "previous": None}
+            self._committed = {**entry, "serial": self._committed["serial"], "previous": None}
+        if _is_chief(self.model):
+            where = (f"after {entry.get('steps_done', 0)} of its steps"
+                     if entry.get("steps_done") else "at its beginning")
+            io_utils.print_msg(f"tf_poseidon BackupAndRestore: resuming at epoch "
+                               f"{entry['epoch'] + 1}, {where}, from "
+                               f"{self._file(entry['weights'])}")
 
     def _restore(self, entry: dict) -> None:
-        """Loads the backup ``entry`` names into the model and optimizer; sets the epoch."""
+        """Loads the backup ``entry`` names into the model, the optimizer and the random
+        generators; sets the epoch (and the steps of it) to resume at."""
         if not self.model.built:
             raise ValueError("To use the BackupAndRestore callback, the model must be built "
                              "before fit() (call it on a batch, or build it).")
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(self._weights_file(entry))
+        self.model.load_weights(self._file(entry["weights"]))
+        if entry.get("state"):
+            with np.load(self._file(entry["state"])) as state:
+                arrays = dict(state)
+            seeds = _seed_states(self.model, "seed_global" in arrays)
+            if len(seeds) != sum(name.startswith("seed_") for name in arrays):
+                raise ValueError(f"{self._file(entry['state'])} holds the random state of "
+                                 "another model.")
+            for name, variable in seeds.items():
+                variable.assign(arrays[name])
+            self._resume_metrics = [arrays[f"metric_{i}"] for i in range(
+                sum(name.startswith("metric_") for name in arrays))]
+        self._resume_steps = int(entry.get("steps_done", 0))
         self.model._initial_epoch = entry["epoch"]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._in_epoch = True
+        self._current_epoch = epoch  # Keras sets it at epoch ends only: wrong after a resume
+        if self._resume_steps:
+            self._restore_metrics()
+            self._skip_steps(self._resume_steps)
+            self._resume_steps = 0
+
+    def _restore_metrics(self) -> None:
+        """The resumed epoch's metric states: 1/P of their sums over ranks on every rank (the
+        strategy sums them over ranks for every result; and the same value on every rank
+        survives the broadcast of rank 0's values before the first step)."""
+        variables = self.model.metrics_variables
+        values = self._resume_metrics or []
+        if len(values) != len(variables):
+            raise ValueError("the backup holds the metric states of another compile().")
+        strategy = multi_rank_strategy(self.model)
+        ranks = strategy.num_replicas_in_sync if strategy is not None else 1
+        for variable, value in zip(variables, values):
+            variable.assign(value / ranks if ranks > 1 else value)
+
+    def _skip_steps(self, steps: int) -> None:
+        """Makes the next calls of the model's train function read their batches from the
+        input without training on them, ``steps`` batches in all; the last such call returns
+        the epoch's metrics so far (the restored ones)."""
+        model, original = self.model, self.model.train_function
+        per_call = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        remaining = self._skipped = steps
+
+        def skip(iterator):
+            nonlocal remaining
+            count = min(per_call, remaining)
+            for _ in range(count):
+                next(iterator)
+            remaining -= count
+            if remaining:
+                return {}
+            model.train_function = original
+            return model.get_metrics_result()
+
+        model.train_function = skip
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._in_epoch, self._skipped = False, 0
+        super().on_epoch_end(epoch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch < self._skipped:  # done before the backup: neither counted nor saved again
+            self._last_batch_seen = batch
+            return
+        super().on_train_batch_end(batch, logs)
 
     def _save_model(self):
         with consistent_state(self.model):
-            run_on_chief(self.model, self._write_backup, "write a backup")
+            state = self._state_to_save()
+            run_on_chief(self.model, lambda: self._write_backup(state), "write a backup")
 
-    def _write_backup(self) -> int:
-        """Rank 0: writes the weights file, then commits it by replacing the JSON."""
+    def _state_to_save(self) -> dict[str, np.ndarray]:
+        """Every rank: the random generators' states and the metric states summed over ranks
+        (a collective under a multi-process strategy)."""
+        state = {name: v.numpy() for name, v in _seed_states(self.model).items()}
+        metrics = [v.value for v in self.model.metrics_variables]
+        strategy = multi_rank_strategy(self.model)
+        if strategy is not None and metrics:
+            metrics = strategy.extended.sum_over_ranks(metrics, "backup_metrics")
+        state.update({f"metric_{i}": keras.ops.convert_to_numpy(m)
+                      for i, m in enumerate(metrics)})
+        return state
+
+    def _write_backup(self, state: dict[str, np.ndarray]) -> int:
+        """Rank 0: writes the weights and state files, then commits them by replacing the
+        JSON."""
         os.makedirs(self.backup_dir, exist_ok=True)
         serial = (self._committed or {}).get("serial", 0) + 1
         entry = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
-                 "weights": f"backup-{serial}.weights.h5"}
-        with atomic_path(self._weights_file(entry)) as temp:
+                 "steps_done": self._last_batch_seen + 1 if self._in_epoch else 0,
+                 "weights": f"backup-{serial}.weights.h5", "state": f"backup-{serial}.state.npz"}
+        with atomic_path(self._file(entry["weights"])) as temp:
             self.model.save_weights(temp, overwrite=True)
+        with atomic_path(self._file(entry["state"])) as temp:
+            with open(temp, "wb") as f:
+                np.savez(f, **state)
         previous = None
         if self.double_checkpoint and self._committed is not None:
-            previous = {key: self._committed[key] for key in ("epoch", "batch", "weights")}
+            previous = {key: value for key, value in self._committed.items()
+                        if key not in ("serial", "previous")}
         committed = {**entry, "serial": serial, "previous": previous}
         with atomic_path(self._training_metadata_path) as temp:
             with open(temp, "w") as f:
                 json.dump(committed, f)
         self._committed = committed
-        keep = {entry["weights"]} | ({previous["weights"]} if previous else set())
+        keep = {entry["weights"], entry["state"]}
+        if previous:
+            keep |= {previous["weights"], previous.get("state")}
         for name in os.listdir(self.backup_dir):
-            if _BACKUP_WEIGHTS.fullmatch(name) and name not in keep:
-                os.remove(os.path.join(self.backup_dir, name))
+            if _BACKUP_FILE.fullmatch(name) and name not in keep:
+                os.remove(self._file(name))
         return 0
 
     def on_train_end(self, logs=None):
@@ -165,3 +284,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             return 0
 
         run_on_chief(self.model, delete, f"delete {self.backup_dir}")
+
+
+def _is_chief(model: keras.Model) -> bool:
+    strategy = multi_rank_strategy(model)
+    return strategy is None or strategy.extended.should_checkpoint
+
+
+def _seed_states(model: keras.Model, with_global: bool = False) -> dict:
+    """The state variables of the random generators ``model``'s next steps draw from, by
+    name: its layers' (Dropout, noise, ...: ``seed_<i>``) and Keras' global one
+    (``seed_global``) if it exists, or ``with_global`` (which creates it)."""
+    weights = {id(v) for v in model.weights}
+    states = {f"seed_{i}": v for i, v in
+              enumerate(v for v in model.variables if id(v) not in weights)}
+    if with_global or global_state.get_global_attribute("global_seed_generator") is not None:
+        states["seed_global"] = keras_seed_generator.global_seed_generator().state
+    return states

@@ -5,9 +5,9 @@ callbacks.py) follows one protocol, made of the three pieces of this module:
 
 * :func:`consistent_state` — every rank enters ``strategy.extended.consistent_state()``, so the
   model's variables hold the state to save (SSP drains, EASGD swaps the center in);
-* :func:`run_on_chief` — rank 0 alone does the writing; every rank takes part in one small
-  collective afterwards, which hands rank 0's result (or its failure) to the others and is a
-  barrier: when it returns on any rank, the file is committed;
+* :func:`run_on_chief` — rank 0 alone does the writing while the other ranks wait for its
+  outcome (its result, or its failure), for as long as rank 0 sends heartbeats (chief.py):
+  when it returns on any rank, the file is committed;
 * :func:`atomic_path` — the writer writes into a temporary name in the target's own directory,
   fsyncs it, and renames it into place (``os.replace`` for a file, ``os.rename`` for a
   directory), so a crash at any moment leaves either the previous file or the new one.
@@ -27,13 +27,15 @@ from typing import Callable, ContextManager, Iterator
 import keras
 import tensorflow as tf
 
+from tf_poseidon import chief
+
 _TEMP_PREFIX = ".tp-tmp-"
 SERVING_SIGNATURE = "serving_default"
 
 
 # -- the protocol ---------------------------------------------------------------------------
 
-def _multi_rank_strategy(model: keras.Model):
+def multi_rank_strategy(model: keras.Model):
     """The PoseidonStrategy ``model`` was created under if it spans several ranks, else None."""
     from tf_poseidon.strategy import PoseidonStrategy
     strategy = model.distribute_strategy
@@ -48,7 +50,7 @@ def consistent_state(model: keras.Model) -> ContextManager[None]:
     Collective when ``model`` was created under a PoseidonStrategy: call it on every rank,
     at the same point of the program. Otherwise it does nothing.
     """
-    strategy = _multi_rank_strategy(model)
+    strategy = multi_rank_strategy(model)
     return strategy.extended.consistent_state() if strategy else contextlib.nullcontext()
 
 
@@ -56,27 +58,16 @@ def run_on_chief(model: keras.Model, work: Callable[[], int], what: str) -> int:
     """Runs ``work()`` on rank 0 only; returns its result (an int ≥ 0) on every rank.
 
     Collective and blocking when ``model`` was created under a multi-process PoseidonStrategy:
-    every rank calls it; rank 0 runs ``work`` and then every rank joins one all-reduce (the
-    strategy's ``reduce``) that carries the result, so no rank returns before rank 0 finished.
-    If ``work`` raises on rank 0, rank 0 re-raises it and every other rank raises
-    RuntimeError naming ``what`` (rank 0's output holds the reason). Without such a strategy
-    ``work`` simply runs here.
+    every rank calls it; rank 0 runs ``work`` and the others wait for its outcome as long as
+    rank 0's heartbeats keep coming (at most ``TF_POSEIDON_CHIEF_TIMEOUT``; chief.py), so no
+    rank returns before rank 0 finished. If ``work`` raises on rank 0, rank 0 re-raises it and
+    every other rank raises RuntimeError naming ``what`` (rank 0's output holds the reason).
+    Without such a strategy ``work`` simply runs here.
     """
-    strategy = _multi_rank_strategy(model)
+    strategy = multi_rank_strategy(model)
     if strategy is None:
         return work()
-    result, error = 0, None
-    if strategy.extended.should_checkpoint:
-        try:
-            result = work()
-        except BaseException as e:  # re-raised below, once every rank knows
-            result, error = -1, e
-    shared = int(strategy.reduce("SUM", tf.constant(result, tf.int64), axis=None))
-    if error is not None:
-        raise error
-    if shared < 0:
-        raise RuntimeError(f"rank 0 failed to {what}; its output says why.")
-    return shared
+    return chief.run(strategy.extended.engine, work, what)
 
 
 def _fsync(path: str) -> None:

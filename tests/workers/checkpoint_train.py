@@ -1,6 +1,7 @@
 """Worker for tests/test_checkpoints.py: trains with tp.callbacks, optionally dies mid-run.
 
-    checkpoint_train.py OUT [--reference] [--backup DIR [--interrupt-after K]]
+    checkpoint_train.py OUT [--reference] [--backup DIR [--interrupt-after K]
+                            [--save-freq N] [--dropout] [--kill-rank1-at E:B]]
 
 Every rank works in OUT/rank<r>/ (its own working directory, so a file a non-chief rank wrote
 through a relative path would show up there) and seeds with its own rank (rank 0's initial
@@ -12,6 +13,10 @@ values, or the restored backup, must reach the others); every model starts from 
 * ``--backup DIR``: then trains a fresh model with BackupAndRestore(DIR) (resuming from it if
   it holds a backup); with ``--interrupt-after K`` every rank SIGKILLs itself at the end of
   epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
+* ``--save-freq N``: the BackupAndRestore backs up every N batches instead of every epoch.
+* ``--dropout``: the model has a Dropout layer (its random generator's state matters).
+* ``--kill-rank1-at E:B``: rank 1 SIGKILLs itself before batch B of epoch E (1-based), on the
+  first launch only (``TF_POSEIDON_RESTART`` unset or 0; tfposeidon-run --max-restarts sets it).
 """
 
 import argparse
@@ -39,11 +44,12 @@ def data():
     return x, y
 
 
-def new_model(strategy) -> keras.Model:
+def new_model(strategy, dropout: bool = False) -> keras.Model:
     keras.utils.set_random_seed(100 + tp.rank())  # the same start for every run of the job
     with strategy.scope():
+        middle = [keras.layers.Dropout(0.3)] if dropout else []
         model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
-                                  keras.layers.Dense(3)])
+                                  *middle, keras.layers.Dense(3)])
         model.compile(optimizer=keras.optimizers.Adam(0.01),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -58,6 +64,24 @@ class KillAfter(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch + 1 == self.k:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillRank1At(keras.callbacks.Callback):
+    """SIGKILLs rank 1 before batch ``b`` of epoch ``e`` (1-based), on a job's first launch."""
+
+    def __init__(self, spec: str):
+        super().__init__()
+        self.epoch, self.batch = (int(n) for n in spec.split(":"))
+        self.current = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch + 1
+
+    def on_train_batch_begin(self, batch, logs=None):
+        first_launch = os.environ.get("TF_POSEIDON_RESTART", "0") == "0"
+        if first_launch and tp.rank() == 1 and (self.current, batch + 1) == (self.epoch,
+                                                                             self.batch):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -76,6 +100,9 @@ def main():
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--backup")
     parser.add_argument("--interrupt-after", type=int)
+    parser.add_argument("--save-freq", type=int)
+    parser.add_argument("--dropout", action="store_true")
+    parser.add_argument("--kill-rank1-at")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     workdir = os.path.join(out, f"rank{tp.rank()}")
@@ -90,10 +117,14 @@ def main():
         ]
         train(new_model(strategy), callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
     if args.backup:
-        callbacks = [tp_callbacks.BackupAndRestore(args.backup)]
+        callbacks = [tp_callbacks.BackupAndRestore(args.backup,
+                                                   save_freq=args.save_freq or "epoch")]
         if args.interrupt_after:
             callbacks.append(KillAfter(args.interrupt_after))
-        train(new_model(strategy), callbacks, os.path.join(out, f"resumed_rank{tp.rank()}"))
+        if args.kill_rank1_at:
+            callbacks.append(KillRank1At(args.kill_rank1_at))
+        train(new_model(strategy, args.dropout), callbacks,
+              os.path.join(out, f"resumed_rank{tp.rank()}"))
     print(f"rank {tp.rank()} done", flush=True)
 
 

@@ -3,10 +3,12 @@
     misbehave.py raise      rank 1 raises in the 4th training batch
     misbehave.py mismatch   rank 1 builds a wider hidden layer than rank 0
     misbehave.py verbose    nobody misbehaves; fit prints its progress bar (verbose=1)
+    misbehave.py hang       rank 1 stops for 600 s before its 4th training batch (alive, stuck)
 """
 
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -14,6 +16,12 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+
+
+class HangOnRankOne(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if tp.rank() == 1 and batch == 3:
+            time.sleep(600)
 
 
 class RaiseOnRankOne(keras.callbacks.Callback):
@@ -33,7 +41,7 @@ def main(behaviour: str) -> None:
                                   keras.layers.Dense(2)])
         model.compile(optimizer="sgd", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    callbacks = [RaiseOnRankOne()] if behaviour == "raise" else []
+    callbacks = {"raise": [RaiseOnRankOne()], "hang": [HangOnRankOne()]}.get(behaviour, [])
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=1 if behaviour == "verbose" else 0,
                         callbacks=callbacks)
     print(f"rank {tp.rank()} final loss {history.history['loss'][-1]:.6f}", flush=True)

@@ -42,6 +42,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_poseidon import timeouts
 from tf_poseidon.algorithms import easgd_center
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
                                          items_of, variable_names)
@@ -297,7 +298,10 @@ class EASGDImpl(AlgorithmImpl):
                 comm.Bcast(as_mpi_buffer(flat), root=easgd_center.HOLDER_RANK)
                 flats.append(flat)
             return flats
-        flats = self.engine.call(fetch, label="EASGD center")
+        # A meeting point: the ranks, each at its own pace, wait here for the slowest.
+        flats = timeouts.engine_call(self.engine, fetch, timeouts.meeting_s(),
+                                     "the asynchronous EASGD meeting of all ranks",
+                                     "TF_POSEIDON_MEETING_TIMEOUT")
         return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
 
     # -- graph ops ---------------------------------------------------------------------------

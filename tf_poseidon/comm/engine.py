@@ -139,6 +139,7 @@ class _CallJob:
     fn: Callable[[Any], Any]
     done: threading.Event
     label: str
+    timeout_s: float
     result: Any = None
 
 
@@ -174,11 +175,12 @@ class CommEngine:
         Blocks the caller until it returns (at most ``timeout_s``, default
         :func:`collective_timeout_s`); returns its result or re-raises its exception. Every
         rank must make the same sequence of calls, like any MPI collective: the ranks first
-        agree that they all run a call of the same ``label`` (default: ``fn``'s name).
+        agree that they all run a call of the same ``label`` (default: ``fn``'s name), waiting
+        for each other at most ``timeout_s`` too.
         """
         timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         label = label or getattr(fn, "__name__", "call")
-        job = _CallJob(fn, threading.Event(), f"control-plane call {label!r}")
+        job = _CallJob(fn, threading.Event(), f"control-plane call {label!r}", timeout_s)
         self._jobs.put(job)
         if not job.done.wait(timeout_s):
             raise CollectiveTimeoutError(
@@ -205,7 +207,7 @@ class CommEngine:
                 if job is None:
                     break
                 if next_bucket == 0:
-                    self._agree(group.signature(instance))
+                    self._agree(group.signature(instance), collective_timeout_s())
                 if self._failure is not None:
                     group._fail(self._failure)
                     order.popleft()
@@ -254,7 +256,7 @@ class CommEngine:
         group._results[job.index].put(result.value)
 
     def _run_call(self, job: _CallJob) -> None:
-        self._agree(agreement.Signature(job.label, None))
+        self._agree(agreement.Signature(job.label, None), job.timeout_s)
         try:
             if self._failure is not None:
                 raise self._failure
@@ -263,13 +265,13 @@ class CommEngine:
             job.result = e
         job.done.set()
 
-    def _agree(self, signature: agreement.Signature) -> None:
+    def _agree(self, signature: agreement.Signature, timeout_s: float) -> None:
         """Checks with the other ranks (agreement.agree) unless the engine has failed already;
         a mismatch or a timeout becomes the engine's failure."""
         if self._failure is not None:
             return
         try:
-            agreement.agree(self.comm, signature, collective_timeout_s())
+            agreement.agree(self.comm, signature, timeout_s)
         except (CollectiveMismatchError, CollectiveTimeoutError) as e:
             self._failure = e
 
@@ -302,9 +304,12 @@ def get_engine() -> CommEngine:
 def _end_of_program(engine: CommEngine) -> None:
     """At exit, every rank agrees it has reached the end of its program (a rank still
     communicating gets a CollectiveMismatchError naming this one); a mismatch here makes this
-    rank print it and abort the job (an exception in an exit handler would exit with 0)."""
+    rank print it and abort the job (an exception in an exit handler would exit with 0). The
+    wait is a meeting's (timeouts.meeting_s): a rank may finish long before rank 0 has saved
+    its last checkpoint alone."""
+    from tf_poseidon import timeouts
     try:
-        engine.call(lambda comm: None, label=agreement.END_OF_PROGRAM)
+        engine.call(lambda comm: None, timeouts.meeting_s(), label=agreement.END_OF_PROGRAM)
     except (CollectiveMismatchError, CollectiveTimeoutError) as e:
         import sys
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
