@@ -324,19 +324,28 @@ def test_restart_leaves_out_lost_hosts_down_to_min_np(tmp_path):
 
 
 RESTART_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     restart = os.environ["TF_POSEIDON_RESTART"]
     rank = os.environ["OMPI_COMM_WORLD_RANK"]
     print(f"rank {rank} launch {restart}", flush=True)
+    # Rank 1 fails only once rank 0 has printed: a failing rank makes mpirun stop the others.
+    marker = os.path.join("{marks}", f"launch{restart}")
+    if rank == "0":
+        open(marker, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
     sys.exit(3 if rank == "1" and int(restart) < {failures} else 0)
 """)
 
 
 @pytest.mark.parametrize("failures, status", [(1, 0), (5, 3)])
-def test_max_restarts_starts_a_failed_job_again(capfd, failures, status):
+def test_max_restarts_starts_a_failed_job_again(capfd, tmp_path, failures, status):
     # Rank 1 exits 3 on the first `failures` launches; two restarts are allowed.
-    code = launcher.main(["-np", "2", "--max-restarts", "2", sys.executable, "-c",
-                          RESTART_SCRIPT.replace("{failures}", str(failures))])
+    script = RESTART_SCRIPT.replace("{failures}", str(failures)).replace("{marks}",
+                                                                        str(tmp_path))
+    code = launcher.main(["-np", "2", "--max-restarts", "2", sys.executable, "-c", script])
     out, err = capfd.readouterr()
     assert code == status
     launches = min(failures + 1, 3)
