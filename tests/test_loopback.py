@@ -191,7 +191,8 @@ def test_a_failing_rank_aborts_the_others_waits():
                                  np.empty(2, ml_dtypes.bfloat16)), TypeError, "uint16"),
     (lambda comm: comm.Allreduce([1.0], np.empty(1)), TypeError, "numpy arrays"),
     (lambda comm: comm.Allreduce(np.zeros(2), np.empty(3)), ValueError, "differ"),
-    (lambda comm: comm.Alltoall(np.zeros(3, np.uint8), np.empty(3, np.uint8)), ValueError, "split into 2"),
+    (lambda comm: comm.Alltoall(np.zeros(3, np.uint8), np.empty(3, np.uint8)), ValueError,
+     "split into 2"),
     (lambda comm: comm.Irecv(np.empty(1), source=5), ValueError, "no rank 5"),
 ])
 def test_bad_buffers_and_arguments_raise_on_the_calling_rank(call, error, message):
