@@ -9,12 +9,12 @@ every step 10/11/11 rows (a static, uneven K).
 """
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
 from multirank import check, run_job
+from tf_poseidon.testing.loopback import LoopbackWorld
 
 TOLERANCE = 1e-5
 
@@ -220,40 +220,6 @@ def test_bandwidth_gbps_is_validated():
             StrategyConfig(bandwidth_gbps=bad)
 
 
-class _ThreadWorld:
-    """P ranks as threads, with the few MPI calls SfbProtocol.run makes."""
-
-    def __init__(self, size):
-        self.size = size
-        self.slots = [None] * size
-        self.barrier = threading.Barrier(size)
-
-    def comm(self, rank):
-        world = self
-
-        class Comm:
-            def Get_size(self):
-                return world.size
-
-            def Get_rank(self):
-                return rank
-
-            def _exchange(self, send):
-                world.slots[rank] = np.array(send, copy=True)
-                world.barrier.wait()
-                everything = np.concatenate([s.ravel() for s in world.slots])
-                world.barrier.wait()
-                return everything
-
-            def Allgather(self, send, recv):
-                recv.reshape(-1)[:] = self._exchange(send).view(recv.dtype)
-
-            def Allgatherv(self, send, spec):
-                recv = spec[0]
-                recv.reshape(-1)[:] = self._exchange(send).view(recv.dtype)
-        return Comm()
-
-
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
     from tf_poseidon.comm import codecs
@@ -268,19 +234,15 @@ def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
     rng = np.random.default_rng(0)
     factors = [[(rng.normal(size=(k, m)) * 1e5, rng.normal(size=(k, n)) * 1e-3)
                 for (_, m, n), k in zip(layers, ks)] for ks in rows]
-    world, results = _ThreadWorld(3), [None] * 3
 
-    def rank_main(rank):
+    def rank_main(comm):
+        rank = comm.Get_rank()
         payload = np.concatenate([np.array(rows[rank], np.float32)] + [
             np.concatenate([u.ravel(), v.ravel()]) for u, v in factors[rank]]).astype(np.float32)
         wire = sfb_protocol.SfbProtocol(codecs.get(compression))
-        results[rank] = wire.run(world.comm(rank), BucketCall("g", 0, 0, bucket, payload)).value
+        return wire.run(comm, BucketCall("g", 0, 0, bucket, payload)).value
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = LoopbackWorld(3).run(rank_main)
     tolerance = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2}[compression]
     for result in results:
         np.testing.assert_array_equal(result, results[0])  # identical on every rank
