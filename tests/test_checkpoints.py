@@ -42,6 +42,7 @@ def interrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.multirank
 def test_only_rank0_writes_checkpoints(interrupted):
     rank0, rank1 = interrupted / "rank0", interrupted / "rank1"
     assert sorted(os.listdir(rank0 / "ckpt")) == [f"epoch{e}.weights.h5"
@@ -52,6 +53,7 @@ def test_only_rank0_writes_checkpoints(interrupted):
     assert not [n for n in os.listdir(rank0) if n.startswith(".tp-tmp-")]
 
 
+@pytest.mark.multirank
 def test_checkpoints_hold_the_final_state(interrupted):
     reference = np.load(interrupted / "reference_rank0.npz")
     assert all(np.diff(reference["loss"]) < 0)  # so best.keras is the last epoch's model
@@ -66,6 +68,7 @@ def test_checkpoints_hold_the_final_state(interrupted):
                           reference["weights"]) == 0
 
 
+@pytest.mark.multirank
 def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     backup = interrupted / "backup"
     with open(backup / "training_metadata.json") as f:
@@ -75,6 +78,7 @@ def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     assert sorted(os.listdir(backup)) == sorted([metadata["weights"], "training_metadata.json"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("num_ranks", [0, 3], ids=["P=1", "P=3"])
 def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     backup = tmp_path / "backup"
@@ -125,6 +129,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
         pytest.approx(epoch1, rel=1e-12)
 
 
+@pytest.mark.multirank
 def test_example_trains_resumes_and_exports(tmp_path):
     # One process each (the multi-rank behaviour is tested above); the example's own logic:
     # checkpoints, --resume from the latest, exports numbered 1, 2.

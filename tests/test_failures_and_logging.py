@@ -7,6 +7,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 
 def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
     result, seconds = run_job(2, "misbehave.py", "raise", timeout=120)

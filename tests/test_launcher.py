@@ -179,6 +179,7 @@ def rank_script(exit_code=0):
                               exit_code=exit_code)
 
 
+@pytest.mark.multirank
 def test_real_local_run_prints_ranks():
     done = subprocess.run([sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--verbose",
                            "python", "-c", rank_script()],
@@ -190,6 +191,7 @@ def test_real_local_run_prints_ranks():
         "rank 0 of 2 local 0/2 openmpi", "rank 1 of 2 local 1/2 openmpi"]
 
 
+@pytest.mark.multirank
 def test_failing_rank_fails_the_launch(capfd):
     assert launcher.main(["-np", "2", sys.executable, "-c", rank_script(exit_code=3)]) != 0
 

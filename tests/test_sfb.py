@@ -71,6 +71,7 @@ def rows_by_kernel(job, run):
 
 # -- exactness ---------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("job_name, always, never", [
     ("p2", "sequential/always/reg", "sequential/never/reg"),  # regularizer, uneven 4/5
     ("p2", "subclassed/always", "subclassed/never"),  # subclassed, a layer without bias
@@ -91,6 +92,7 @@ def test_sfb_always_gives_the_weights_of_all_reduce(request, job_name, always, n
 
 # -- the plan ----------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_every_rank_has_the_same_plan(p2, p3):
     for job, runs in ((p2, P2_RUNS), (p3, P3_RUNS)):
         for run in runs:
@@ -99,11 +101,13 @@ def test_every_rank_has_the_same_plan(p2, p3):
                 assert plan(job, run, rank)["rows"] == reference, run
 
 
+@pytest.mark.multirank
 def test_plan_before_the_first_step_says_it_is_not_made_yet(p2):
     note = plan(p2, "functional/always")["note_before_fit"]
     assert "traced" in note
 
 
+@pytest.mark.multirank
 def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
     rows = rows_by_kernel(p2, "functional/auto/rows640/bw0.01")
     # 640 rows: every step has 16 rows per rank, known when the step is traced.
@@ -119,6 +123,7 @@ def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
     assert plan(p2, "functional/auto/rows640/bw0.01")["rates"]["source"] == "bandwidth given"
 
 
+@pytest.mark.multirank
 def test_auto_measures_the_rates_and_takes_the_largest_local_batch(p3):
     result = plan(p3, "functional/auto/rows640")
     assert result["rates"]["source"] == "measured"
@@ -126,6 +131,7 @@ def test_auto_measures_the_rates_and_takes_the_largest_local_batch(p3):
     assert {row["local_batch"] for row in result["rows"]} == {11}  # ranks have 10, 11, 11
 
 
+@pytest.mark.multirank
 def test_shared_layers_and_sequence_inputs_go_by_all_reduce_even_under_always(p2):
     shared = rows_by_kernel(p2, "shared/always")
     assert shared["shared"]["choice"] == "allreduce"
@@ -142,12 +148,14 @@ def sfb_buckets(step, names):
     return [b for b in step["buckets"] if set(b["layers"]) <= names]
 
 
+@pytest.mark.multirank
 def test_sfb_sends_fewer_bytes_per_step(p2):
     never = stats(p2, "sequential/never/reg")["summary"]["bytes_sent"]
     always = stats(p2, "sequential/always/reg")["summary"]["bytes_sent"]
     assert always < 0.6 * never
 
 
+@pytest.mark.multirank
 def test_factor_bytes_follow_the_formula(p2):
     step = stats(p2, "functional/always/rows640/buckets10000/nooverlap")["steps"][-1]
     by_layer = {tuple(b["layers"]): b["bytes_sent"] for b in step["buckets"]}
@@ -156,12 +164,14 @@ def test_factor_bytes_follow_the_formula(p2):
     assert by_layer[("hidden2/kernel",)] == 16 * (192 + 192) * 4 + header(1)
 
 
+@pytest.mark.multirank
 def test_factor_buckets_go_in_backprop_order(p2):
     step = stats(p2, "functional/always/rows640/buckets10000/nooverlap")["steps"][-1]
     layers = [b["layers"] for b in sorted(step["buckets"], key=lambda b: b["index"])]
     assert layers[:3] == [["logits/kernel"], ["hidden2/kernel"], ["hidden1/kernel"]]
 
 
+@pytest.mark.multirank
 def test_fp16_factors_travel_in_half_the_bytes_and_train_alike(p2):
     kernels = {"logits/kernel", "hidden2/kernel", "hidden1/kernel"}
     full = stats(p2, "functional/always")["steps"][-2]  # a full step (16 rows per rank)
@@ -177,6 +187,7 @@ def test_fp16_factors_travel_in_half_the_bytes_and_train_alike(p2):
 
 # -- saved models --------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_a_model_saved_after_sfb_training_holds_plain_keras_layers(p2):
     out, _ = p2
     result, _ = run_job(0, "sfb_load.py", str(out / "sequence-always-save.keras"))
