@@ -3,9 +3,10 @@ the repository's benchmarks/ package is importable (appended to sys.path, so tha
 ``tf_poseidon`` still comes from the installed package, with its compiled op), and the tiers.
 
 Tiers (markers; README.md, "Development"): unmarked tests run in this process (the fast tier);
-``multirank`` tests start jobs of tests/workers/ with mpirun (and the single-process runs they
-are compared with); ``cluster`` tests build network namespaces (root, iproute2); ``gpu`` tests
-need an NVIDIA GPU and are skipped, with the reason, where nvidia-smi lists none.
+``multirank`` tests start training jobs (tests/workers/, examples/): with mpirun, or alone as
+the single-process runs they are compared with; ``cluster`` tests build network namespaces
+(root, iproute2); ``gpu`` tests need an NVIDIA GPU and are skipped, with the reason, where
+nvidia-smi lists none.
 """
 
 import functools
@@ -22,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TIERS = {
-    "multirank": "starts jobs of tests/workers/ (mpirun, and the single-process references)",
+    "multirank": "starts training jobs of tests/workers/ or examples/ (mpirun, or alone)",
     "cluster": "builds an emulated cluster of network namespaces (needs root and iproute2)",
     "gpu": "needs an NVIDIA GPU (skipped where nvidia-smi lists none)",
 }

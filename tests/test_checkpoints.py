@@ -102,6 +102,7 @@ def wait_for(condition, process, timeout_s: float, what: str) -> None:
         time.sleep(0.002)
 
 
+@pytest.mark.multirank
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     process = subprocess.Popen([sys.executable, os.path.join(WORKERS, "checkpoint_kill.py"),
                                 str(tmp_path)], env=job_env(), stdout=subprocess.DEVNULL)
