@@ -6,7 +6,10 @@ with the mpi4py methods the library calls; :meth:`LoopbackWorld.run` runs a func
 each on a thread of its own::
 
     world = LoopbackWorld(3)
-    sums = world.run(lambda comm: codec.sum_into(comm, payloads[comm.Get_rank()], out[...]))
+    sums = world.run(lambda comm: Exact().sum_into(comm, x[comm.Get_rank()], np.empty(n)))
+
+Each rank needs objects of its own wherever a process would have its own: a 16-bit codec
+keeps wire buffers between calls, an engine its queue.
 
 Semantics are MPI's, so that a test that passes here means what it would under mpirun:
 
