@@ -1,11 +1,53 @@
 """Suite-wide settings: the compiled op is required, TensorFlow's start-up chatter is quiet,
-and the repository's benchmarks/ package is importable (appended to sys.path, so that
-``tf_poseidon`` still comes from the installed package, with its compiled op)."""
+the repository's benchmarks/ package is importable (appended to sys.path, so that
+``tf_poseidon`` still comes from the installed package, with its compiled op), and the tiers.
 
+Tiers (markers; README.md, "Development"): unmarked tests run in this process (the fast tier);
+``multirank`` tests start training jobs (tests/workers/, examples/): with mpirun, or alone as
+the single-process runs they are compared with; ``cluster`` tests build network namespaces
+(root, iproute2); ``gpu`` tests need an NVIDIA GPU and are skipped, with the reason, where
+nvidia-smi lists none.
+"""
+
+import functools
 import os
+import shutil
+import subprocess
 import sys
+
+import pytest
 
 os.environ.setdefault("TF_POSEIDON_REQUIRE_OPS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TIERS = {
+    "multirank": "starts training jobs of tests/workers/ or examples/ (mpirun, or alone)",
+    "cluster": "builds an emulated cluster of network namespaces (needs root and iproute2)",
+    "gpu": "needs an NVIDIA GPU (skipped where nvidia-smi lists none)",
+}
+
+
+def pytest_configure(config):
+    for name, meaning in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+@functools.cache
+def gpus_missing() -> str | None:
+    """Why no GPU test can run here, or None when nvidia-smi lists a GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return "needs an NVIDIA GPU: no nvidia-smi on PATH"
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"needs an NVIDIA GPU: nvidia-smi -L failed ({e})"
+    return None if "GPU " in listed else "needs an NVIDIA GPU: nvidia-smi -L lists none"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") and gpus_missing():
+            item.add_marker(pytest.mark.skip(reason=gpus_missing()))

@@ -177,6 +177,7 @@ def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
     assert written["message"] == "PoseidonStrategy: a feature is not implemented yet"
 
 
+@pytest.mark.multirank
 def test_tiny_unshaped_run_end_to_end(tmp_path):
     """One step of the tiny model on loopback: reference, MWMS and tf_poseidon DWBP."""
     # Run as a file, as CI's installed-package test run needs: the suite and its ranks then

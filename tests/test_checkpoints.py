@@ -42,6 +42,7 @@ def interrupted(tmp_path_factory):
     return out
 
 
+@pytest.mark.multirank
 def test_only_rank0_writes_checkpoints(interrupted):
     rank0, rank1 = interrupted / "rank0", interrupted / "rank1"
     assert sorted(os.listdir(rank0 / "ckpt")) == [f"epoch{e}.weights.h5"
@@ -52,6 +53,7 @@ def test_only_rank0_writes_checkpoints(interrupted):
     assert not [n for n in os.listdir(rank0) if n.startswith(".tp-tmp-")]
 
 
+@pytest.mark.multirank
 def test_checkpoints_hold_the_final_state(interrupted):
     reference = np.load(interrupted / "reference_rank0.npz")
     assert all(np.diff(reference["loss"]) < 0)  # so best.keras is the last epoch's model
@@ -66,6 +68,7 @@ def test_checkpoints_hold_the_final_state(interrupted):
                           reference["weights"]) == 0
 
 
+@pytest.mark.multirank
 def test_backup_is_committed_before_any_rank_goes_on(interrupted):
     backup = interrupted / "backup"
     with open(backup / "training_metadata.json") as f:
@@ -76,6 +79,7 @@ def test_backup_is_committed_before_any_rank_goes_on(interrupted):
                                                  "training_metadata.json"])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("num_ranks", [0, 3], ids=["P=1", "P=3"])
 def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     backup = tmp_path / "backup"
@@ -91,6 +95,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     assert not backup.exists()
 
 
+@pytest.mark.multirank
 def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
     # Backups every 5 batches (12 per epoch, 4 epochs, a Dropout layer); rank 1 is SIGKILLed
     # before epoch 3's 9th batch on the first launch. tfposeidon-run --max-restarts 1 starts the
@@ -123,6 +128,7 @@ def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
     assert not (restarted / "backup").exists()
 
 
+@pytest.mark.multirank
 def test_example_trains_resumes_and_exports(tmp_path):
     # One process each (the multi-rank behaviour is tested above); the example's own logic:
     # checkpoints, --resume from the latest, exports numbered 1, 2.

@@ -9,6 +9,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.fixture(scope="module")
 def codec_report(tmp_path_factory):

@@ -6,6 +6,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_reduce_and_gather_give_every_rank_the_same_exact_answer(tmp_path, ranks):

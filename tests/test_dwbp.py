@@ -9,6 +9,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 SMALL_BUCKETS = ["--bucket-bytes", "100000"]  # 3 buckets for this model
 
 

@@ -94,6 +94,7 @@ def run_check(tmp_path, num_ranks, *args):
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(num_ranks)]
 
 
+@pytest.mark.multirank
 def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
     num_ranks, tau, alpha, batch, epochs, lr = 3, 3, 0.3, 12, 2, 0.05
     ranks = run_check(tmp_path, num_ranks, "--tau", str(tau), "--alpha", str(alpha),
@@ -134,6 +135,7 @@ def test_synchronous_form_is_exactly_elastic_averaging(tmp_path):
         np.testing.assert_array_equal(saved["second_after_fit"], ranks[0]["second_after_fit"])
 
 
+@pytest.mark.multirank
 def test_synchronous_form_with_a_16_bit_elastic_all_reduce(tmp_path):
     num_ranks, tau, alpha, batch, lr = 2, 2, 0.45, 12, 0.05
     ranks = run_check(tmp_path, num_ranks, "--tau", str(tau), "--alpha", str(alpha),
@@ -150,6 +152,7 @@ def test_synchronous_form_with_a_16_bit_elastic_all_reduce(tmp_path):
 
 # -- the asynchronous form ---------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_center_protocol_in_many_chunks_with_interleaved_workers():
     # Pure protocol (easgd_center.py, no TensorFlow ops): 64-byte chunks, float32, float64 and
     # bfloat16, 3 ranks exchanging at once, groups registered on rank 0 after their first
@@ -160,6 +163,7 @@ def test_center_protocol_in_many_chunks_with_interleaved_workers():
         assert f"CENTER OK rank {rank}" in output
 
 
+@pytest.mark.multirank
 def test_asynchronous_form_does_not_wait_for_a_slow_rank(tmp_path):
     steps, slow_s = 20, 0.25
     ranks = run_check(tmp_path, 2, "--async", "--tau", "1", "--alpha", "0.5", "--batch", "6",
@@ -209,6 +213,7 @@ def digits_accuracy(output: str) -> dict:
     return json.loads(line[len("ACCURACY "):])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_digits_example_converges_like_sync_mode(num_ranks, sync_accuracy):
     alpha = f"{0.9 / num_ranks:.3g}"  # the documented default: α = 0.9/P, τ = 4

@@ -12,7 +12,7 @@ import pytest
 from tf_poseidon.testing import EmulatedCluster, ShapedLoopback, available, netns
 
 ok, why = available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(not ok, reason=why)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,6 +49,7 @@ def script(tmp_path):
     return str(path)
 
 
+@pytest.mark.multirank
 def test_two_hosts_allreduce_via_launcher_then_link_cut_and_clean_teardown(script):
     links_before = root_links()
     with EmulatedCluster(2, "1gbit") as cluster:
@@ -79,6 +80,7 @@ def test_teardown_after_exception_in_body():
     assert leftovers(prefix) == []
 
 
+@pytest.mark.multirank
 def test_shaped_loopback_allreduce(script):
     with ShapedLoopback("1gbit") as lo:
         done = lo.run([*lo.mpirun_args(slots_per_host=2), sys.executable, script], timeout=60)

@@ -48,6 +48,7 @@ def op_types(meta_graph) -> set[str]:
     return ops - {function.signature.name for function in library}
 
 
+@pytest.mark.multirank
 def test_only_rank0_writes_versions(exported):
     assert os.listdir(exported / "rank1") == []
     export = exported / "rank0" / "export"
@@ -64,6 +65,7 @@ def test_only_rank0_writes_versions(exported):
                                     else ["RuntimeError", "RuntimeError"])
 
 
+@pytest.mark.multirank
 def test_signature_names_and_batch_dimension(exported):
     saved_model = read_saved_model(exported / "rank0" / "export" / "1")
     (meta_graph,) = saved_model.meta_graphs
@@ -77,6 +79,7 @@ def test_signature_names_and_batch_dimension(exported):
     assert dims == {"features": [-1, 12], "context": [-1, 3], "logits": [-1, 3], "score": [-1, 1]}
 
 
+@pytest.mark.multirank
 def test_only_stock_tensorflow_ops(exported):
     (meta_graph,) = read_saved_model(exported / "rank0" / "export" / "1").meta_graphs
     ops = op_types(meta_graph)
@@ -94,6 +97,7 @@ def assert_outputs_match(exported, outputs_by_name):
         assert difference <= TOLERANCE, f"{name}: max |difference| {difference:.3g}"
 
 
+@pytest.mark.multirank
 def test_saved_model_load_in_fresh_process(exported, tmp_path):
     out = tmp_path / "outputs.npz"
     subprocess.run([sys.executable, os.path.join(WORKERS, "export_load.py"),
@@ -102,6 +106,7 @@ def test_saved_model_load_in_fresh_process(exported, tmp_path):
     assert_outputs_match(exported, dict(np.load(out)))
 
 
+@pytest.mark.multirank
 def test_saved_model_cli_run(exported, tmp_path):
     cli = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
     inputs = exported / "inputs.npz"

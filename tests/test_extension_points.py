@@ -10,6 +10,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 
 @pytest.fixture(scope="module")
 def p2(tmp_path_factory):

@@ -20,6 +20,8 @@ from multirank import WORKERS, check, job_env, run_job
 from tf_poseidon import timeouts
 
 
+
+@pytest.mark.multirank
 def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
     result, seconds = run_job(2, "misbehave.py", "raise", timeout=120)
     assert result.returncode != 0
@@ -28,6 +30,7 @@ def test_a_rank_that_raises_ends_the_whole_job_with_its_traceback():
     assert "RuntimeError: injected failure on rank 1" in result.stdout
 
 
+@pytest.mark.multirank
 def test_different_models_fail_at_the_first_step_naming_the_mismatch():
     result, seconds = run_job(2, "misbehave.py", "mismatch", timeout=120)
     assert result.returncode != 0 and seconds < 60
@@ -36,6 +39,7 @@ def test_different_models_fail_at_the_first_step_naming_the_mismatch():
                      r"rank 1 \(\S+: shape \(10, 24\), float32\)", result.stdout), result.stdout
 
 
+@pytest.mark.multirank
 def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
     result, _ = run_job(2, "misbehave.py", "verbose", mpi_args="--tag-output")
     output = check(result)
@@ -47,6 +51,7 @@ def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
     assert finals[0][1] == finals[1][1]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("how", ["fit", "loop"])
 def test_uneven_per_rank_datasets_end_the_epoch_together(how):
     # distribute_datasets_from_function with shards of 5, 7 and 9 batches: every rank stops
@@ -62,6 +67,7 @@ def test_uneven_per_rank_datasets_end_the_epoch_together(how):
 STEP_TIMEOUT_S = 3  # TF_POSEIDON_TIMEOUT of these jobs; their slow phases take longer
 
 
+@pytest.mark.multirank
 def test_a_hung_rank_times_out_and_the_cause_is_the_last_line():
     # Rank 1 stops for 600 s before its 4th batch; rank 0's gradient all-reduce times out
     # (the job ends long before the sleep would). Rank 0's own output ends with the cause in
@@ -83,6 +89,7 @@ def test_a_hung_rank_times_out_and_the_cause_is_the_last_line():
     assert not any("] aborting the job: " in line for line in lines if line.startswith("[1,1]<"))
 
 
+@pytest.mark.multirank
 def test_long_waits_of_healthy_ranks_do_not_time_out():
     # Async EASGD, every wait longer than TF_POSEIDON_TIMEOUT: rank 1 reaches the first meeting
     # 5 s late and spends 5 s more on one batch (rank 0 waits at the end of fit), then rank 0
@@ -105,6 +112,7 @@ def test_long_waits_of_healthy_ranks_do_not_time_out():
                       f"{STEP_TIMEOUT_S} s (TF_POSEIDON_TIMEOUT): its process is stopped or "
                       "hangs."),
 ])
+@pytest.mark.multirank
 def test_waiting_for_rank_0_ends_when_it_stops_or_works_too_long(behaviour, cause):
     # Rank 0's work would last 600 s: the other rank gives up at the chief limit (heartbeats
     # keep coming) or when the heartbeats stop (rank 0 SIGSTOPs itself).
@@ -157,6 +165,7 @@ def load_checkpoint_sums(path) -> list[float]:
 
 @pytest.mark.parametrize("victim, when", [(1, "forward"), (1, "collective"), (1, "save"),
                                           (0, "save")])
+@pytest.mark.multirank
 def test_kill_drill(tmp_path, victim, when):
     # Rank `victim` is SIGKILLed in epoch 2: in its forward pass (it kills itself), waiting in
     # the gradient all-reduce (rank 0 is 8 s late to it), or while rank 0 writes epoch 2's

@@ -198,6 +198,7 @@ def test_gemm_dimensions_beyond_int32_are_refused(device, u_shape, v_shape):
 needs_gpu = pytest.mark.skipif("GPU" not in DEVICES, reason="no GPU visible to TensorFlow")
 
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("wire", FLOATS, ids=lambda d: d.name)
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
@@ -215,6 +216,7 @@ def test_gpu_pack_unpack_equal_cpu_bit_for_bit(rng, dtype, wire):
             np.testing.assert_array_equal(gpu.numpy().view(bits), cpu.numpy().view(bits))
 
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("out", FLOATS, ids=lambda d: d.name)
 @pytest.mark.parametrize("wire", FLOATS, ids=lambda d: d.name)
@@ -224,6 +226,7 @@ def test_gpu_sum_chunks_equal_cpu(rng, wire, out):
     assert_same_values(gpu, cpu, nan_sign=False)
 
 
+@pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
 def test_gpu_sfb_reconstruct_within_float32_rounding_of_cpu(rng, exact_float32, dtype):

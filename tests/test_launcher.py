@@ -225,6 +225,7 @@ def rank_script(exit_code=0):
                               exit_code=exit_code)
 
 
+@pytest.mark.multirank
 def test_real_local_run_prints_ranks():
     done = subprocess.run([sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--verbose",
                            "python", "-c", rank_script()],
@@ -236,10 +237,12 @@ def test_real_local_run_prints_ranks():
         "rank 0 of 2 local 0/2 openmpi", "rank 1 of 2 local 1/2 openmpi"]
 
 
+@pytest.mark.multirank
 def test_failing_rank_fails_the_launch(capfd):
     assert launcher.main(["-np", "2", sys.executable, "-c", rank_script(exit_code=3)]) != 0
 
 
+@pytest.mark.multirank
 def test_mpi_without_thread_multiple_is_refused():
     # A program that initialised MPI itself at a lower thread level: tf_poseidon's engine
     # thread would share MPI with a main thread that may abort or finalize it.
@@ -340,6 +343,7 @@ RESTART_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("failures, status", [(1, 0), (5, 3)])
 def test_max_restarts_starts_a_failed_job_again(capfd, tmp_path, failures, status):
     # Rank 1 exits 3 on the first `failures` launches; two restarts are allowed.

@@ -24,7 +24,7 @@ from multirank import WORKERS, job_env
 from tf_poseidon.testing import EmulatedCluster, available, netns
 
 ok, why = available()
-pytestmark = pytest.mark.skipif(not ok, reason=why)
+pytestmark = [pytest.mark.cluster, pytest.mark.multirank, pytest.mark.skipif(not ok, reason=why)]
 
 TIMEOUT_S = 20  # TF_POSEIDON_TIMEOUT of the failure jobs (the default is 120 s)
 MARGIN_S = 40  # start-up noise on a busy 2-core machine

@@ -9,12 +9,12 @@ every step 10/11/11 rows (a static, uneven K).
 """
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
 from multirank import check, run_job
+from tf_poseidon.testing.loopback import LoopbackWorld
 
 TOLERANCE = 1e-5
 
@@ -71,6 +71,7 @@ def rows_by_kernel(job, run):
 
 # -- exactness ---------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("job_name, always, never", [
     ("p2", "sequential/always/reg", "sequential/never/reg"),  # regularizer, uneven 4/5
     ("p2", "subclassed/always", "subclassed/never"),  # subclassed, a layer without bias
@@ -91,6 +92,7 @@ def test_sfb_always_gives_the_weights_of_all_reduce(request, job_name, always, n
 
 # -- the plan ----------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_every_rank_has_the_same_plan(p2, p3):
     for job, runs in ((p2, P2_RUNS), (p3, P3_RUNS)):
         for run in runs:
@@ -99,11 +101,13 @@ def test_every_rank_has_the_same_plan(p2, p3):
                 assert plan(job, run, rank)["rows"] == reference, run
 
 
+@pytest.mark.multirank
 def test_plan_before_the_first_step_says_it_is_not_made_yet(p2):
     note = plan(p2, "functional/always")["note_before_fit"]
     assert "traced" in note
 
 
+@pytest.mark.multirank
 def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
     rows = rows_by_kernel(p2, "functional/auto/rows640/bw0.01")
     # 640 rows: every step has 16 rows per rank, known when the step is traced.
@@ -119,6 +123,7 @@ def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
     assert plan(p2, "functional/auto/rows640/bw0.01")["rates"]["source"] == "bandwidth given"
 
 
+@pytest.mark.multirank
 def test_auto_measures_the_rates_and_takes_the_largest_local_batch(p3):
     result = plan(p3, "functional/auto/rows640")
     assert result["rates"]["source"] == "measured"
@@ -126,6 +131,7 @@ def test_auto_measures_the_rates_and_takes_the_largest_local_batch(p3):
     assert {row["local_batch"] for row in result["rows"]} == {11}  # ranks have 10, 11, 11
 
 
+@pytest.mark.multirank
 def test_shared_layers_and_sequence_inputs_go_by_all_reduce_even_under_always(p2):
     shared = rows_by_kernel(p2, "shared/always")
     assert shared["shared"]["choice"] == "allreduce"
@@ -142,12 +148,14 @@ def sfb_buckets(step, names):
     return [b for b in step["buckets"] if set(b["layers"]) <= names]
 
 
+@pytest.mark.multirank
 def test_sfb_sends_fewer_bytes_per_step(p2):
     never = stats(p2, "sequential/never/reg")["summary"]["bytes_sent"]
     always = stats(p2, "sequential/always/reg")["summary"]["bytes_sent"]
     assert always < 0.6 * never
 
 
+@pytest.mark.multirank
 def test_factor_bytes_follow_the_formula(p2):
     step = stats(p2, "functional/always/rows640/buckets10000/nooverlap")["steps"][-1]
     by_layer = {tuple(b["layers"]): b["bytes_sent"] for b in step["buckets"]}
@@ -158,12 +166,14 @@ def test_factor_bytes_follow_the_formula(p2):
     assert by_layer[("hidden2/kernel",)] == 16 * (192 + 192) * 4 + header(1)
 
 
+@pytest.mark.multirank
 def test_factor_buckets_go_in_backprop_order(p2):
     step = stats(p2, "functional/always/rows640/buckets10000/nooverlap")["steps"][-1]
     layers = [b["layers"] for b in sorted(step["buckets"], key=lambda b: b["index"])]
     assert layers[:3] == [["logits/kernel"], ["hidden2/kernel"], ["hidden1/kernel"]]
 
 
+@pytest.mark.multirank
 def test_fp16_factors_travel_in_half_the_bytes_and_train_alike(p2):
     kernels = {"logits/kernel", "hidden2/kernel", "hidden1/kernel"}
     full = stats(p2, "functional/always")["steps"][-2]  # a full step (16 rows per rank)
@@ -179,6 +189,7 @@ def test_fp16_factors_travel_in_half_the_bytes_and_train_alike(p2):
 
 # -- saved models --------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_a_model_saved_after_sfb_training_holds_plain_keras_layers(p2):
     out, _ = p2
     result, _ = run_job(0, "sfb_load.py", str(out / "sequence-always-save.keras"))
@@ -222,40 +233,6 @@ def test_bandwidth_gbps_is_validated():
             StrategyConfig(bandwidth_gbps=bad)
 
 
-class _ThreadWorld:
-    """P ranks as threads, with the few MPI calls SfbProtocol.run makes."""
-
-    def __init__(self, size):
-        self.size = size
-        self.slots = [None] * size
-        self.barrier = threading.Barrier(size)
-
-    def comm(self, rank):
-        world = self
-
-        class Comm:
-            def Get_size(self):
-                return world.size
-
-            def Get_rank(self):
-                return rank
-
-            def _exchange(self, send):
-                world.slots[rank] = np.array(send, copy=True)
-                world.barrier.wait()
-                everything = np.concatenate([s.ravel() for s in world.slots])
-                world.barrier.wait()
-                return everything
-
-            def Allgather(self, send, recv):
-                recv.reshape(-1)[:] = self._exchange(send).view(recv.dtype)
-
-            def Allgatherv(self, send, spec):
-                recv = spec[0]
-                recv.reshape(-1)[:] = self._exchange(send).view(recv.dtype)
-        return Comm()
-
-
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
     from tf_poseidon.comm import codecs
@@ -270,19 +247,15 @@ def test_factor_wire_gathers_uneven_rows_and_scales_fp16(compression):
     rng = np.random.default_rng(0)
     factors = [[(rng.normal(size=(k, m)) * 1e5, rng.normal(size=(k, n)) * 1e-3)
                 for (_, m, n), k in zip(layers, ks)] for ks in rows]
-    world, results = _ThreadWorld(3), [None] * 3
 
-    def rank_main(rank):
+    def rank_main(comm):
+        rank = comm.Get_rank()
         payload = np.concatenate([np.array(rows[rank], np.float32)] + [
             np.concatenate([u.ravel(), v.ravel()]) for u, v in factors[rank]]).astype(np.float32)
         wire = sfb_protocol.SfbProtocol(codecs.get(compression))
-        results[rank] = wire.run(world.comm(rank), BucketCall("g", 0, 0, bucket, payload)).value
+        return wire.run(comm, BucketCall("g", 0, 0, bucket, payload)).value
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = LoopbackWorld(3).run(rank_main)
     tolerance = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2}[compression]
     for result in results:
         np.testing.assert_array_equal(result, results[0])  # identical on every rank

@@ -9,6 +9,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 
 def train(tmp_path_factory, num_ranks, *args):
     out = tmp_path_factory.mktemp("ssp")

@@ -11,6 +11,8 @@ import pytest
 
 from multirank import check, run_job
 
+pytestmark = pytest.mark.multirank
+
 FIT_CONFIGS = "mlp-sgd,mlp-adam,cnn-sgd,cnn-adam"
 TOLERANCE = 1e-5
 

@@ -1,6 +1,7 @@
-"""Test and benchmark helpers: emulated multi-host clusters on one Linux machine.
+"""Test and benchmark helpers: emulated multi-host clusters on one Linux machine, and
+(``tf_poseidon.testing.loopback``) the ranks of a job as threads of one process.
 
-Not imported by ``tf_poseidon`` itself. Needs root and ``ip``/``tc`` (iproute2);
+Not imported by ``tf_poseidon`` itself. The clusters need root and ``ip``/``tc`` (iproute2);
 :func:`available` says whether this machine allows it.
 """
 
