@@ -2,7 +2,8 @@
 
     misbehave.py raise      rank 1 raises in the 4th training batch
     misbehave.py mismatch   rank 1 builds a wider hidden layer than rank 0
-    misbehave.py verbose    nobody misbehaves; fit prints its progress bar (verbose=1)
+    misbehave.py verbose    nobody misbehaves; fit, evaluate and predict print their progress bars
+                            (verbose=1)
 """
 
 import os
@@ -36,6 +37,9 @@ def main(behaviour: str) -> None:
     callbacks = [RaiseOnRankOne()] if behaviour == "raise" else []
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=1 if behaviour == "verbose" else 0,
                         callbacks=callbacks)
+    if behaviour == "verbose":
+        model.evaluate(x, y, batch_size=64, verbose=1)
+        model.predict(x, batch_size=64, verbose=1)
     print(f"rank {tp.rank()} final loss {history.history['loss'][-1]:.6f}", flush=True)
 
 
