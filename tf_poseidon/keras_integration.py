@@ -29,9 +29,10 @@ original unchanged:
   Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Modes whose ranks run ahead
   of each other (SSP, EASGD) reduce only at epoch ends, so their progress bars show rank 0's
   own metrics during an epoch;
-* ``fit`` ends with ``strategy.drain()`` (SSP applies its pending updates) and ``evaluate`` /
-  ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains; EASGD uses the
-  center), so what users measure and get is the state every rank agrees on;
+* ``fit`` first checks that the model was built and compiled under the strategy's scope
+  (scope_check.py), and ends with ``strategy.drain()`` (SSP applies its pending updates);
+  ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
+  EASGD uses the center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input.
@@ -51,6 +52,8 @@ from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
+
+from tf_poseidon import scope_check
 
 _installed = False
 
@@ -136,6 +139,7 @@ def _train_step(original):
 
 def _fit(original):
     def wrapper(self, *args, **kwargs):
+        scope_check.check_model_in_scope(self)
         history = original(self, *args, **kwargs)
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is not None:

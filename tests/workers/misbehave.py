@@ -1,11 +1,13 @@
 """Worker for the failure and logging tests: a short fit in which one rank misbehaves.
 
-    misbehave.py raise      rank 1 raises in the 4th training batch
-    misbehave.py mismatch   rank 1 builds a wider hidden layer than rank 0
-    misbehave.py verbose    nobody misbehaves; fit, evaluate and predict print their progress bars
-                            (verbose=1)
+    misbehave.py raise          rank 1 raises in the 4th training batch
+    misbehave.py mismatch       rank 1 builds a wider hidden layer than rank 0
+    misbehave.py outside_scope  the model is built outside strategy.scope() (compiled inside)
+    misbehave.py verbose        nobody misbehaves; fit, evaluate and predict print their progress
+                                bars (verbose=1)
 """
 
+import contextlib
 import os
 import sys
 
@@ -29,9 +31,11 @@ def main(behaviour: str) -> None:
     y = (x[:, 0] > 0).astype("int32")
     width = 24 if behaviour == "mismatch" and tp.rank() == 1 else 16
     strategy = tp.PoseidonStrategy()
-    with strategy.scope():
+    build_scope = contextlib.nullcontext() if behaviour == "outside_scope" else strategy.scope()
+    with build_scope:
         model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(width, activation="relu"),
                                   keras.layers.Dense(2)])
+    with strategy.scope():
         model.compile(optimizer="sgd", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [RaiseOnRankOne()] if behaviour == "raise" else []
