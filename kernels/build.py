@@ -4,11 +4,11 @@ One recipe for both places that build it: ``setup.py`` (at install time, against
 the build environment) and ``tf_poseidon/ops.py`` (on first use, into a per-user cache, when the
 installed library does not fit the TensorFlow that is running). See docs/kernels.md.
 
-The library is compiled with ``g++`` (or ``$CXX``; ``compiler()`` names it, or says in one line how to
-get one) using ``tf.sysconfig`` flags of the TensorFlow
-imported by this process, and carries its *build key* as an embedded string: the TensorFlow
-version, its ABI-relevant compile/link flags, the instruction-set flags chosen for this CPU, whether
-CUDA kernels are in, and a digest of the sources. A loader compares it with ``build_key()`` without
+The library is compiled with ``g++`` (or ``$CXX``; ``compiler()`` finds it, or says in one line
+how to get one) using ``tf.sysconfig`` flags of the TensorFlow imported by this process, and
+carries its *build key* as an embedded string: the TensorFlow version, its ABI-relevant
+compile/link flags, the instruction-set flags chosen for this CPU, whether CUDA kernels are in,
+and a digest of the sources. A loader compares it with ``build_key()`` without
 loading the library (a library built for another TensorFlow must never be loaded).
 
 CUDA kernels are compiled in (``GOOGLE_CUDA=1``) only when the running TensorFlow was built with

@@ -49,7 +49,7 @@ def test_setup_py_build_without_a_compiler_ends_with_that_line(tmp_path):
                           text=True, timeout=300)
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: tf_poseidon needs a C++17 compiler to build its ops: "
-                           "g++ is not found on PATH; install it (Debian/Ubuntu: apt install g++"), \
-        done.stderr[-3000:]
+    expected = ("error: tf_poseidon needs a C++17 compiler to build its ops: g++ is not found on "
+                "PATH; install it (Debian/Ubuntu: apt install g++")
+    assert last.startswith(expected), done.stderr[-3000:]
     assert "copying" not in done.stdout  # failed before copying the package
