@@ -12,8 +12,10 @@ import shutil
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+from setuptools.errors import CompileError
 
 KERNELS = Path("kernels")
 KERNEL_FILES = sorted(p for p in KERNELS.iterdir() if p.suffix in {".cc", ".h", ".cu", ".py"})
@@ -26,6 +28,24 @@ def _build_recipe():
     return module
 
 
+def _compiler_or_error() -> None:
+    """Fails the build at once, with kernels/build.py's one-line message, when no C++ compiler is
+    found. setuptools prints a CompileError as one ``error: ...`` line, the last of the output."""
+    recipe = _build_recipe()
+    try:
+        recipe.compiler()
+    except recipe.BuildError as error:
+        raise CompileError(str(error)) from None
+
+
+class BuildCheckingCompiler(build):
+    """``build`` that looks for the compiler first, before the many lines of copying files."""
+
+    def run(self) -> None:
+        _compiler_or_error()
+        super().run()
+
+
 class BuildOps(build_ext):
     """Builds the op library with kernels/build.py instead of distutils' compiler."""
 
@@ -33,7 +53,11 @@ class BuildOps(build_ext):
         return str(Path(*fullname.split("."))) + ".so"
 
     def build_extension(self, ext: Extension) -> None:
-        _build_recipe().build(Path(self.get_ext_fullpath(ext.name)))
+        recipe = _build_recipe()
+        try:
+            recipe.build(Path(self.get_ext_fullpath(ext.name)))
+        except recipe.BuildError as error:
+            raise CompileError(str(error)) from None
 
 
 class BuildPyWithKernels(build_py):
@@ -55,5 +79,6 @@ setup(
             depends=[str(p) for p in KERNEL_FILES if p.suffix != ".cc"],
         )
     ],
-    cmdclass={"build_ext": BuildOps, "build_py": BuildPyWithKernels},
+    cmdclass={"build": BuildCheckingCompiler, "build_ext": BuildOps,
+              "build_py": BuildPyWithKernels},
 )

@@ -5,6 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv || exit 1
+rm -f .venv/.demo-installed  # ci/demo.sh's record of what it installed (see there)
 .venv/bin/pip install --quiet '.[test]' || exit 1
 # The suite must run the compiled op: failing to build or load it is an error, not a fallback.
 TF_POSEIDON_REQUIRE_OPS=1 .venv/bin/pytest -p no:cacheprovider -rs --durations=15 tests "$@"

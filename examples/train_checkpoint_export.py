@@ -4,13 +4,16 @@
     tfposeidon-run -np 3 python examples/train_checkpoint_export.py --epochs 6 --resume
     python examples/train_checkpoint_export.py --epochs 8 --resume
 
-The first run writes checkpoints/epoch01.keras ... epoch03.keras (rank 0 writes, atomically)
-and exports the trained model to export/1; the second continues from the latest checkpoint,
-with 3 ranks instead of 2, and exports export/2; the third does the same in one process. The
-global batch stays the same whatever the number of ranks, so sync training continues exactly as
-an uninterrupted run would. Serve the exports with TensorFlow Serving (docs/checkpoints.md):
+Everything is written under --output-dir (default: digits_output/ in the working directory).
+The first run writes digits_output/checkpoints/epoch01.keras ... epoch03.keras (rank 0 writes,
+atomically) and exports the trained model to digits_output/export/1; the second continues from
+the latest checkpoint, with 3 ranks instead of 2, and exports digits_output/export/2; the third
+does the same in one process. The global batch stays the same whatever the number of ranks, so
+sync training continues exactly as an uninterrupted run would. Serve the exports with
+TensorFlow Serving (docs/checkpoints.md):
 
-    docker run -p 8501:8501 -v "$PWD/export:/models/digits" -e MODEL_NAME=digits tensorflow/serving
+    docker run -p 8501:8501 -v "$PWD/digits_output/export:/models/digits" -e MODEL_NAME=digits \
+        tensorflow/serving
 """
 
 from __future__ import annotations
@@ -79,13 +82,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=5, help="total epochs, resumed ones too")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint-dir")
-    parser.add_argument("--checkpoint-dir", default="checkpoints")
-    parser.add_argument("--export-dir", default="export")
+    parser.add_argument("--output-dir", default="digits_output",
+                        help="where checkpoints/ and export/ go (default: %(default)s)")
+    parser.add_argument("--checkpoint-dir", help="default: OUTPUT_DIR/checkpoints")
+    parser.add_argument("--export-dir", help="default: OUTPUT_DIR/export")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", type=int, default=2, choices=[0, 1, 2])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.checkpoint_dir = args.checkpoint_dir or os.path.join(args.output_dir, "checkpoints")
+    args.export_dir = args.export_dir or os.path.join(args.output_dir, "export")
+    return args
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ One recipe for both places that build it: ``setup.py`` (at install time, against
 the build environment) and ``tf_poseidon/ops.py`` (on first use, into a per-user cache, when the
 installed library does not fit the TensorFlow that is running). See docs/kernels.md.
 
-The library is compiled with ``g++`` (or ``$CXX``) using ``tf.sysconfig`` flags of the TensorFlow
-imported by this process, and carries its *build key* as an embedded string: the TensorFlow
-version, its ABI-relevant compile/link flags, the instruction-set flags chosen for this CPU, whether
-CUDA kernels are in, and a digest of the sources. A loader compares it with ``build_key()`` without
+The library is compiled with ``g++`` (or ``$CXX``; ``compiler()`` finds it, or says in one line
+how to get one) using ``tf.sysconfig`` flags of the TensorFlow imported by this process, and
+carries its *build key* as an embedded string: the TensorFlow version, its ABI-relevant
+compile/link flags, the instruction-set flags chosen for this CPU, whether CUDA kernels are in,
+and a digest of the sources. A loader compares it with ``build_key()`` without
 loading the library (a library built for another TensorFlow must never be loaded).
 
 CUDA kernels are compiled in (``GOOGLE_CUDA=1``) only when the running TensorFlow was built with
@@ -56,6 +57,24 @@ class BuildError(RuntimeError):
 def source_files() -> list[Path]:
     """Every file whose content goes into the library (sources, headers, this recipe)."""
     return sorted(p for p in KERNEL_DIR.iterdir() if p.suffix in {".cc", ".h", ".cu", ".py"})
+
+
+def compiler() -> str:
+    """The C++ compiler to build with: ``$CXX`` if set, else ``g++``, as found on ``PATH``.
+
+    Raises BuildError with a one-line message naming the missing compiler and how to get one;
+    setup.py calls this before anything else so that this line ends pip's output.
+    """
+    name = os.environ.get("CXX") or "g++"
+    found = shutil.which(name)
+    if found is not None:
+        return found
+    if os.environ.get("CXX"):
+        raise BuildError(f"tf_poseidon needs a C++17 compiler to build its ops: CXX={name} is "
+                         "not found on PATH; set CXX to an installed compiler (e.g. CXX=g++)")
+    raise BuildError("tf_poseidon needs a C++17 compiler to build its ops: g++ is not found on "
+                     "PATH; install it (Debian/Ubuntu: apt install g++; Fedora/RHEL: dnf install "
+                     "gcc-c++) or set CXX to another C++17 compiler")
 
 
 def isa_flags() -> list[str]:
@@ -119,6 +138,7 @@ def build(library: Path) -> None:
     """Compiles the kernels into ``library`` (replaced atomically). Raises BuildError."""
     library = Path(library)
     library.parent.mkdir(parents=True, exist_ok=True)
+    cxx = compiler()
     key = build_key()
     cuda = cuda_home()
     with tempfile.TemporaryDirectory(prefix="tf_poseidon_build_") as tmp:
@@ -128,14 +148,14 @@ def build(library: Path) -> None:
             'extern "C" __attribute__((visibility("default"), used)) const char '
             f'tf_poseidon_build_key[] = R"key({_KEY_MARKER.decode()}{json.dumps(key)})key";\n'
         )
-        commands = [_cxx_command(KERNEL_DIR / s, work, cuda) for s in CXX_SOURCES]
-        commands.append(_cxx_command(key_source, work, None))
+        commands = [_cxx_command(cxx, KERNEL_DIR / s, work, cuda) for s in CXX_SOURCES]
+        commands.append(_cxx_command(cxx, key_source, work, None))
         if cuda is not None:
             commands += [_nvcc_command(KERNEL_DIR / s, work, cuda) for s in CUDA_SOURCES]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(_run, commands))
         partial = library.with_name(f".{library.name}.{os.getpid()}.partial")
-        link = [os.environ.get("CXX", "g++"), "-shared", "-o", str(partial)]
+        link = [cxx, "-shared", "-o", str(partial)]
         link += [c[c.index("-o") + 1] for c in commands]
         link += tf.sysconfig.get_link_flags()
         if cuda is not None:  # static: nothing to find at load time, whatever TF's CUDA libraries
@@ -147,9 +167,9 @@ def build(library: Path) -> None:
             partial.unlink(missing_ok=True)
 
 
-def _cxx_command(source: Path, work: Path, cuda: Path | None) -> list[str]:
+def _cxx_command(cxx: str, source: Path, work: Path, cuda: Path | None) -> list[str]:
     # -ffp-contract=off: no FMA contraction, so results do not depend on the instruction set.
-    command = [os.environ.get("CXX", "g++"), "-std=c++17", "-O3", "-DNDEBUG", "-fPIC"]
+    command = [cxx, "-std=c++17", "-O3", "-DNDEBUG", "-fPIC"]
     command += ["-ffp-contract=off"]
     command += ["-fvisibility=hidden", "-fvisibility-inlines-hidden"]
     command += ["-Wno-deprecated-declarations"]  # TensorFlow's headers use deprecated TSL APIs

@@ -135,12 +135,14 @@ def test_example_trains_resumes_and_exports(tmp_path):
     example = os.path.join(os.path.dirname(WORKERS), os.pardir, "examples",
                            "train_checkpoint_export.py")
     first = check(run_job(0, example, "--epochs", "1", "--verbose", "0", cwd=str(tmp_path))[0])
-    assert "exported to export/1" in first
+    assert "exported to digits_output/export/1" in first
     second = check(run_job(0, example, "--epochs", "2", "--resume", "--verbose", "0",
                            cwd=str(tmp_path))[0])
-    assert "resuming from checkpoints/epoch01.keras on 1 rank(s)" in second
-    assert "after 2 epochs; exported to export/2" in second
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch01.keras", "epoch02.keras"]
+    assert "resuming from digits_output/checkpoints/epoch01.keras on 1 rank(s)" in second
+    assert "after 2 epochs; exported to digits_output/export/2" in second
+    assert os.listdir(tmp_path) == ["digits_output"]  # nothing else in the working directory
+    assert sorted(os.listdir(tmp_path / "digits_output" / "checkpoints")) == \
+        ["epoch01.keras", "epoch02.keras"]
 
 
 

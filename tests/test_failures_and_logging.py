@@ -39,8 +39,13 @@ def test_different_models_fail_at_the_first_step_naming_the_mismatch():
                      r"rank 1 \(\S+: shape \(10, 24\), float32\)", result.stdout), result.stdout
 
 
+# What TensorFlow's C++ runtime logs when any process imports it, whatever tf_poseidon does.
+TF_IMPORT_LOG = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called"
+                           r"|I\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
+
+
 @pytest.mark.multirank
-def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
+def test_progress_on_rank_0_only_rank_1_prints_nothing_else_and_has_the_global_history():
     result, _ = run_job(2, "misbehave.py", "verbose", mpi_args="--tag-output")
     output = check(result)
     progress = [line for line in output.split("\n") if "loss:" in line]  # bars redraw with \r
@@ -49,6 +54,12 @@ def test_progress_on_rank_0_only_and_every_rank_has_the_global_history():
     finals = re.findall(r"\[1,(\d)\]<stdout>: ?rank \d final loss (\S+)", output)
     assert sorted(rank for rank, _ in finals) == ["0", "1"], output
     assert finals[0][1] == finals[1][1]
+    # fit, evaluate and predict on rank 1: no warning (auto_shard_policy, ...), no progress.
+    assert "auto_shard_policy" not in output, output
+    rank_1 = [re.sub(r"^\[1,1\]<std(out|err)>: ?", "", line) for line in output.split("\n")
+              if line.startswith("[1,1]")]
+    assert [line for line in rank_1 if not TF_IMPORT_LOG.match(line)] == \
+        [f"rank 1 final loss {finals[0][1]}"], output
 
 
 @pytest.mark.multirank

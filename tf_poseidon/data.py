@@ -98,10 +98,10 @@ def distribute_global_batches(dataset: tf.data.Dataset, rank: int, size: int) ->
     def per_rank(*element):
         return slice_for_rank(element if elements_are_tuples else element[0], rank, size)
 
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return dataset.map(per_rank, num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=True).with_options(options)
+    # No tf.data options: the slicing above is the sharding. (Setting auto_shard_policy, which
+    # only TensorFlow's own strategies read, would make TensorFlow warn on every rank each time
+    # Keras' array adapter, which sets it to DATA, feeds fit, evaluate or predict.)
+    return dataset.map(per_rank, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def end_together(dataset: tf.data.Dataset,

@@ -39,9 +39,10 @@ original unchanged:
   Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
   ahead of each other (SSP, EASGD: not ``lockstep``) reduce only at epoch ends, so their
   progress bars show rank 0's own metrics during an epoch;
-* ``fit`` ends with ``strategy.drain()`` (SSP applies its pending updates) and ``evaluate`` /
-  ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains; EASGD uses the
-  center), so what users measure and get is the state every rank agrees on;
+* ``fit`` first checks that the model was built and compiled under the strategy's scope
+  (scope_check.py), and ends with ``strategy.drain()`` (SSP applies its pending updates);
+  ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
+  EASGD uses the center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input.
@@ -65,6 +66,7 @@ from keras.src.trainers import trainer as keras_trainer
 
 from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
+from tf_poseidon import scope_check
 from tf_poseidon import timeouts
 
 _strategy_class: type | None = None  # PoseidonStrategy, once installed
@@ -191,6 +193,7 @@ def _batchnorm_moments(original):
 
 def _fit(original):
     def wrapper(self, *args, **kwargs):
+        scope_check.check_model_in_scope(self, _strategy_class)
         history = original(self, *args, **kwargs)
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is not None:

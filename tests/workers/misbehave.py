@@ -1,11 +1,14 @@
 """Worker for the failure and logging tests: a short fit in which one rank misbehaves.
 
-    misbehave.py raise      rank 1 raises in the 4th training batch
-    misbehave.py mismatch   rank 1 builds a wider hidden layer than rank 0
-    misbehave.py verbose    nobody misbehaves; fit prints its progress bar (verbose=1)
-    misbehave.py hang       rank 1 stops for 600 s before its 4th training batch (alive, stuck)
+    misbehave.py raise          rank 1 raises in the 4th training batch
+    misbehave.py mismatch       rank 1 builds a wider hidden layer than rank 0
+    misbehave.py outside_scope  the model is built outside strategy.scope() (compiled inside)
+    misbehave.py verbose        nobody misbehaves; fit, evaluate and predict print their progress
+                                bars (verbose=1)
+    misbehave.py hang           rank 1 stops for 600 s before its 4th training batch (alive, stuck)
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -36,14 +39,19 @@ def main(behaviour: str) -> None:
     y = (x[:, 0] > 0).astype("int32")
     width = 24 if behaviour == "mismatch" and tp.rank() == 1 else 16
     strategy = tp.PoseidonStrategy()
-    with strategy.scope():
+    build_scope = contextlib.nullcontext() if behaviour == "outside_scope" else strategy.scope()
+    with build_scope:
         model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(width, activation="relu"),
                                   keras.layers.Dense(2)])
+    with strategy.scope():
         model.compile(optimizer="sgd", metrics=["accuracy"],
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = {"raise": [RaiseOnRankOne()], "hang": [HangOnRankOne()]}.get(behaviour, [])
     history = model.fit(x, y, batch_size=64, epochs=2, verbose=1 if behaviour == "verbose" else 0,
                         callbacks=callbacks)
+    if behaviour == "verbose":
+        model.evaluate(x, y, batch_size=64, verbose=1)
+        model.predict(x, batch_size=64, verbose=1)
     print(f"rank {tp.rank()} final loss {history.history['loss'][-1]:.6f}", flush=True)
 
 
