@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-ten Keras functions; each wrapper acts only when the current strategy is a
+eleven Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -36,6 +36,14 @@ original unchanged:
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input.
 
+* ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
+  ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
+  in an epoch, others never). The shuffled dataset is rebuilt for every epoch
+  (``TFEpochIterator._get_iterator``) under a graph seed every rank agrees on (data.py:
+  chosen by rank 0 when ``fit`` starts, different per epoch, reproducible with
+  ``keras.utils.set_random_seed``), so every rank slices the same permutation and every sample
+  is trained on exactly once per epoch.
+
 ``install`` is idempotent and is called when tf_poseidon is imported.
 """
 
@@ -51,6 +59,9 @@ from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as keras_trainer
+from keras.src.trainers.data_adapters import array_data_adapter
+
+from tf_poseidon import data as data_lib
 
 _installed = False
 
@@ -190,6 +201,24 @@ def _reduce_per_replica(original):
     return wrapper
 
 
+def _epoch_dataset(original):
+    def wrapper(self):
+        extended = _poseidon_extended(self._distribute_strategy)
+        adapter = self.data_adapter
+        if (extended is None or not isinstance(adapter, array_data_adapter.ArrayDataAdapter)
+                or not adapter._shuffle):
+            return original(self)
+        seeds = self.__dict__.get("_tp_epoch_seeds")
+        if seeds is None:
+            engine = extended.engine
+            seeds = self._tp_epoch_seeds = data_lib.agreed_epoch_seeds(
+                lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
+        with data_lib.tracing_seed(next(seeds)):
+            dataset = adapter.get_tf_dataset()
+        return self._distribute_strategy.experimental_distribute_dataset(dataset)
+    return wrapper
+
+
 def install() -> None:
     """Installs the wrappers described in the module docstring (once)."""
     global _installed
@@ -206,3 +235,4 @@ def install() -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
+    _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
