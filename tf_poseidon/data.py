@@ -33,15 +33,21 @@ from tensorflow.python.eager import context
 
 
 def batch_size_of(structure) -> tf.Tensor | None:
-    """Leading dimension of the first tensor of rank ≥ 1 in ``structure`` (None if none)."""
+    """Leading dimension (int64) of the first tensor of rank ≥ 1 in ``structure``: dense,
+    ``tf.RaggedTensor`` (its rows) or ``tf.SparseTensor``; None if there is none."""
     for value in tf.nest.flatten(structure):
         if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank:
             return tf.shape(value, out_type=tf.int64)[0]
+        if isinstance(value, tf.RaggedTensor):
+            return tf.cast(value.nrows(), tf.int64)
+        if isinstance(value, tf.SparseTensor):
+            return value.dense_shape[0]
     return None
 
 
 def slice_for_rank(element, rank: int, size: int):
-    """Rows of ``element``'s batch that belong to ``rank`` (scalars pass through unchanged)."""
+    """Rows of ``element``'s batch that belong to ``rank``: rows ``[n·rank/P, n·(rank+1)/P)``
+    of every dense, ragged or sparse tensor of rank ≥ 1 (scalars pass through unchanged)."""
     n = batch_size_of(element)
     if n is None:
         return element
@@ -49,7 +55,11 @@ def slice_for_rank(element, rank: int, size: int):
     end = n * (rank + 1) // size
 
     def take(value):
-        if isinstance(value, tf.Tensor) and value.shape.rank:
+        if isinstance(value, tf.SparseTensor):
+            zeros = tf.zeros_like(value.dense_shape[1:])
+            return tf.sparse.slice(value, tf.concat([[start], zeros], 0),
+                                   tf.concat([[end - start], value.dense_shape[1:]], 0))
+        if isinstance(value, (tf.Tensor, tf.RaggedTensor)) and value.shape.rank:
             return value[start:end]
         return value
 

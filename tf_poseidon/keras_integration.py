@@ -62,6 +62,7 @@ from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter
 
 from tf_poseidon import data as data_lib
+from tf_poseidon.comm.gather import gather_along
 
 _installed = False
 
@@ -191,7 +192,7 @@ def _get_metrics_result(original):
 
 def _reduce_per_replica(original):
     def wrapper(values, strategy, reduction):
-        from tf_poseidon.strategy import PoseidonStrategy, gather_along
+        from tf_poseidon.strategy import PoseidonStrategy
         if (isinstance(strategy, PoseidonStrategy) and reduction == "concat"
                 and strategy.num_replicas_in_sync > 1):
             extended = strategy.extended
