@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-eleven Keras functions; each wrapper acts only when the current strategy is a
+twelve Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -29,6 +29,21 @@ original unchanged:
   Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Modes whose ranks run ahead
   of each other (SSP, EASGD) reduce only at epoch ends, so their progress bars show rank 0's
   own metrics during an epoch;
+* ``TensorFlowTrainer._make_function`` (the train and test functions, for Keras' steps and
+  for a model's own ``train_step``/``test_step``) runs the step so that:
+
+  - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
+    custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
+    from the sum over ranks of its state too, as ``get_metrics_result`` does (the two never
+    reduce twice: a result computed from summed state is not summed again);
+  - with ``compile(jit_compile=True)`` XLA compiles the step, except the communication:
+    Keras would compile the whole step as one XLA function, which cannot hold the ops that
+    hand tensors to the engine thread. Instead the step is traced in an XLA ``jit_scope``,
+    so TensorFlow compiles everything it can (forward and backward pass, optimizer update,
+    metric updates) into clusters around the communication ops, which run as ordinary ops
+    (``predict`` needs nothing: Keras compiles only its ``predict_step`` and gathers the
+    outputs outside). The backward pass then ends as one compiled cluster, so every bucket
+    is handed to the engine when all gradients exist (no overlap with backprop);
 * ``fit`` ends with ``strategy.drain()`` (SSP applies its pending updates) and ``evaluate`` /
   ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains; EASGD uses the
   center), so what users measure and get is the state every rank agrees on;
@@ -49,7 +64,9 @@ original unchanged:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
@@ -166,6 +183,29 @@ def _in_consistent_state(original):
     return wrapper
 
 
+class _MetricReduction(threading.local):
+    """Whether this thread is computing metric results from state already summed over ranks
+    (inside :func:`_global_results`), where ``result()`` must read that state as it is."""
+
+    active = False
+
+
+_metric_reduction = _MetricReduction()
+
+
+def _global_results(extended, metrics) -> list:
+    """Each metric's result computed from the sum over ranks of its state variables: one
+    collective for all of them. Every rank calls it alike (graph or eager)."""
+    states = [[v.value for v in m.variables] for m in metrics]
+    summed = iter(extended.sum_over_ranks([s for state in states for s in state], "metrics"))
+    outer, _metric_reduction.active = _metric_reduction.active, True
+    try:
+        return [m.stateless_result([next(summed) for _ in state]) if state else m.result()
+                for m, state in zip(metrics, states)]
+    finally:
+        _metric_reduction.active = outer
+
+
 def _get_metrics_result(original):
     def wrapper(self):
         # Called in the train/test step (replica context) and eagerly at epoch ends by every
@@ -175,18 +215,63 @@ def _get_metrics_result(original):
                                 and not extended.synchronizer.lockstep):
             return original(self)
         metrics = list(self.metrics)
-        states = [[v.value for v in m.variables] for m in metrics]
-        flat = [s for state in states for s in state]
-        summed = iter(extended.sum_over_ranks(flat, "metrics"))
         results = {}
-        for metric, state in zip(metrics, states):
-            value = metric.stateless_result([next(summed) for _ in state]) if state \
-                else metric.result()
+        for metric, value in zip(metrics, _global_results(extended, metrics)):
             if isinstance(value, dict):
                 results.update(value)
             else:
                 results[metric.name] = value
         return results
+    return wrapper
+
+
+@contextlib.contextmanager
+def _global_metric_results(model, extended):
+    """Within it, ``result()`` of each metric of ``model.metrics`` is computed from the sum over
+    ranks of its state (instance attributes shadowing the method, removed on exit)."""
+    if not extended.synchronizer.lockstep:
+        yield
+        return
+    metrics = list({id(m): m for m in model.metrics}.values())
+
+    def reducing(metric, local_result):
+        @tf.autograph.experimental.do_not_convert
+        def result():
+            if _metric_reduction.active:
+                return local_result()
+            return _global_results(extended, [metric])[0]
+        return result
+
+    for metric in metrics:
+        metric.result = reducing(metric, metric.result)
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            del metric.result
+
+
+def _make_function(original):
+    def wrapper(self, step_function):
+        extended = _poseidon_extended(self.distribute_strategy)
+        if extended is None:
+            return original(self, step_function)
+        compile_step = bool(self.jit_compile) and not self.run_eagerly
+
+        def step(data):
+            with _global_metric_results(self, extended), \
+                    (tf.xla.experimental.jit_scope() if compile_step
+                     else contextlib.nullcontext()):
+                return step_function(data)
+
+        if not compile_step:
+            return original(self, step)
+        # Keras would wrap the whole step in tf.function(jit_compile=True).
+        outer, self._jit_compile = self._jit_compile, False
+        try:
+            return original(self, step)
+        finally:
+            self._jit_compile = outer
     return wrapper
 
 
@@ -237,3 +322,4 @@ def install() -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
     _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "_make_function", _make_function)
