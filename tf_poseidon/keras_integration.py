@@ -49,8 +49,7 @@ original unchanged:
   center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
-  input.
-
+  input;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
