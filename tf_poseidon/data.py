@@ -10,7 +10,9 @@ sizes differ by at most one (a short last batch is split too), and every rank se
 number of batches, so epochs end on every rank together without any extra communication.
 
 Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline. Shuffle with a
-seed, or every rank slices a different permutation of the data.
+seed, or every rank slices a different permutation of the data. Keras' own shuffling of arrays
+(``fit(x, y, shuffle=True)``) is given seeds every rank agrees on: :func:`agreed_epoch_seeds`
+and :func:`tracing_seed`.
 
 ``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
 may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
@@ -19,23 +21,33 @@ length, agreed once when the dataset is distributed, so every epoch ends on ever
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import itertools
+import secrets
+from typing import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.eager import context
 
 
 def batch_size_of(structure) -> tf.Tensor | None:
-    """Leading dimension of the first tensor of rank ≥ 1 in ``structure`` (None if none)."""
+    """Leading dimension (int64) of the first tensor of rank ≥ 1 in ``structure``: dense,
+    ``tf.RaggedTensor`` (its rows) or ``tf.SparseTensor``; None if there is none."""
     for value in tf.nest.flatten(structure):
         if isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank:
             return tf.shape(value, out_type=tf.int64)[0]
+        if isinstance(value, tf.RaggedTensor):
+            return tf.cast(value.nrows(), tf.int64)
+        if isinstance(value, tf.SparseTensor):
+            return value.dense_shape[0]
     return None
 
 
 def slice_for_rank(element, rank: int, size: int):
-    """Rows of ``element``'s batch that belong to ``rank`` (scalars pass through unchanged)."""
+    """Rows of ``element``'s batch that belong to ``rank``: rows ``[n·rank/P, n·(rank+1)/P)``
+    of every dense, ragged or sparse tensor of rank ≥ 1 (scalars pass through unchanged)."""
     n = batch_size_of(element)
     if n is None:
         return element
@@ -43,7 +55,11 @@ def slice_for_rank(element, rank: int, size: int):
     end = n * (rank + 1) // size
 
     def take(value):
-        if isinstance(value, tf.Tensor) and value.shape.rank:
+        if isinstance(value, tf.SparseTensor):
+            zeros = tf.zeros_like(value.dense_shape[1:])
+            return tf.sparse.slice(value, tf.concat([[start], zeros], 0),
+                                   tf.concat([[end - start], value.dense_shape[1:]], 0))
+        if isinstance(value, (tf.Tensor, tf.RaggedTensor)) and value.shape.rank:
             return value[start:end]
         return value
 
@@ -125,3 +141,41 @@ def end_together(dataset: tf.data.Dataset,
     if shortest == np.iinfo(np.int64).max:
         return dataset
     return dataset.take(shortest)
+
+
+def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:
+    """The graph-level seeds of a shuffled input's epochs, the same on every rank.
+
+    Every rank calls it once per shuffled input (``fit``'s training data), eagerly;
+    ``broadcast_from_rank0(value) -> rank 0's value`` is a collective, called once, now. Rank
+    0 chooses: with a global TensorFlow seed (``keras.utils.set_random_seed`` sets one) it
+    draws from TensorFlow's seeded sequence, as an unseeded random op would (every rank draws,
+    so ranks seeded alike stay alike), so identical runs shuffle identically and successive
+    ``fit`` calls differently; without one it takes fresh entropy. The returned iterator
+    yields one 31-bit seed per epoch, different for every epoch.
+    """
+    if context.global_seed() is not None:
+        draw = context.internal_operation_seed()
+    else:
+        draw = secrets.randbits(31)
+    base = broadcast_from_rank0(draw)
+    return (int(np.random.SeedSequence([base, epoch]).generate_state(1)[0]) & 0x7FFFFFFF
+            for epoch in itertools.count())
+
+
+@contextlib.contextmanager
+def tracing_seed(seed: int):
+    """Within it (eagerly, this thread), functions traced take ``seed`` as their graph-level
+    seed, so their unseeded random ops (Keras' ``tf.random.shuffle`` of the sample indices)
+    draw the same numbers in every process; nothing else of the global random state changes.
+
+    ``tf.random.set_seed`` would also restart the eager random sequence and clear the kernel
+    cache, so the context's seed field is set directly and restored on exit.
+    """
+    ctx = context.context()
+    outer = ctx._seed  # pylint: disable=protected-access
+    ctx._seed = seed  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        ctx._seed = outer  # pylint: disable=protected-access

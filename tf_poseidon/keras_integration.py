@@ -39,20 +39,44 @@ original unchanged:
   Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
   ahead of each other (SSP, EASGD: not ``lockstep``) reduce only at epoch ends, so their
   progress bars show rank 0's own metrics during an epoch;
+* ``TensorFlowTrainer._make_function`` (the train and test functions, for Keras' steps and
+  for a model's own ``train_step``/``test_step``) runs the step so that:
+
+  - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
+    custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
+    from the sum over ranks of its state too, as ``get_metrics_result`` does (the two never
+    reduce twice: a result computed from summed state is not summed again);
+  - with ``compile(jit_compile=True)`` XLA compiles the step, except the communication:
+    Keras would compile the whole step as one XLA function, which cannot hold the ops that
+    hand tensors to the engine thread. Instead the step is traced in an XLA ``jit_scope``,
+    so TensorFlow compiles everything it can (forward and backward pass, optimizer update,
+    metric updates) into clusters around the communication ops, which run as ordinary ops
+    (``predict`` needs nothing: Keras compiles only its ``predict_step`` and gathers the
+    outputs outside). The backward pass then ends as one compiled cluster, so every bucket
+    is handed to the engine when all gradients exist (no overlap with backprop);
 * ``fit`` first checks that the model was built and compiled under the strategy's scope
   (scope_check.py), and ends with ``strategy.drain()`` (SSP applies its pending updates);
   ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
   EASGD uses the center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
-  input.
+  input;
+* ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
+  ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
+  in an epoch, others never). The shuffled dataset is rebuilt for every epoch
+  (``TFEpochIterator._get_iterator``) under a graph seed every rank agrees on (data.py:
+  chosen by rank 0 when ``fit`` starts, different per epoch, reproducible with
+  ``keras.utils.set_random_seed``), so every rank slices the same permutation and every sample
+  is trained on exactly once per epoch.
 
 ``install`` is idempotent; strategy.py calls it with PoseidonStrategy when it is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
@@ -63,6 +87,7 @@ from keras.src.layers.normalization import batch_normalization as keras_batch_no
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.trainers import trainer as keras_trainer
+from keras.src.trainers.data_adapters import array_data_adapter
 
 from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
@@ -212,6 +237,29 @@ def _in_consistent_state(original):
     return wrapper
 
 
+class _MetricReduction(threading.local):
+    """Whether this thread is computing metric results from state already summed over ranks
+    (inside :func:`_global_results`), where ``result()`` must read that state as it is."""
+
+    active = False
+
+
+_metric_reduction = _MetricReduction()
+
+
+def _global_results(extended, metrics) -> list:
+    """Each metric's result computed from the sum over ranks of its state variables: one
+    collective for all of them. Every rank calls it alike (graph or eager)."""
+    states = [[v.value for v in m.variables] for m in metrics]
+    summed = iter(extended.sum_over_ranks([s for state in states for s in state], "metrics"))
+    outer, _metric_reduction.active = _metric_reduction.active, True
+    try:
+        return [m.stateless_result([next(summed) for _ in state]) if state else m.result()
+                for m, state in zip(metrics, states)]
+    finally:
+        _metric_reduction.active = outer
+
+
 def _get_metrics_result(original):
     def wrapper(self):
         # Called in the train/test step (replica context) and eagerly at epoch ends by every
@@ -223,18 +271,63 @@ def _get_metrics_result(original):
         if not extended.config.algorithm.lockstep:
             timeouts.meet(extended.engine)  # ranks at their own pace: wait for the slowest
         metrics = list(self.metrics)
-        states = [[v.value for v in m.variables] for m in metrics]
-        flat = [s for state in states for s in state]
-        summed = iter(extended.sum_over_ranks(flat, "metrics"))
         results = {}
-        for metric, state in zip(metrics, states):
-            value = metric.stateless_result([next(summed) for _ in state]) if state \
-                else metric.result()
+        for metric, value in zip(metrics, _global_results(extended, metrics)):
             if isinstance(value, dict):
                 results.update(value)
             else:
                 results[metric.name] = value
         return results
+    return wrapper
+
+
+@contextlib.contextmanager
+def _global_metric_results(model, extended):
+    """Within it, ``result()`` of each metric of ``model.metrics`` is computed from the sum over
+    ranks of its state (instance attributes shadowing the method, removed on exit)."""
+    if not extended.config.algorithm.lockstep:
+        yield
+        return
+    metrics = list({id(m): m for m in model.metrics}.values())
+
+    def reducing(metric, local_result):
+        @tf.autograph.experimental.do_not_convert
+        def result():
+            if _metric_reduction.active:
+                return local_result()
+            return _global_results(extended, [metric])[0]
+        return result
+
+    for metric in metrics:
+        metric.result = reducing(metric, metric.result)
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            del metric.result
+
+
+def _make_function(original):
+    def wrapper(self, step_function):
+        extended = _poseidon_extended(self.distribute_strategy)
+        if extended is None:
+            return original(self, step_function)
+        compile_step = bool(self.jit_compile) and not self.run_eagerly
+
+        def step(data):
+            with _global_metric_results(self, extended), \
+                    (tf.xla.experimental.jit_scope() if compile_step
+                     else contextlib.nullcontext()):
+                return step_function(data)
+
+        if not compile_step:
+            return original(self, step)
+        # Keras would wrap the whole step in tf.function(jit_compile=True).
+        outer, self._jit_compile = self._jit_compile, False
+        try:
+            return original(self, step)
+        finally:
+            self._jit_compile = outer
     return wrapper
 
 
@@ -244,6 +337,24 @@ def _reduce_per_replica(original):
         if extended is not None and reduction == "concat":
             return tree.map_structure(lambda v: extended.gather_along(v, 0), values)
         return original(values, strategy, reduction)
+    return wrapper
+
+
+def _epoch_dataset(original):
+    def wrapper(self):
+        extended = _poseidon_extended(self._distribute_strategy)
+        adapter = self.data_adapter
+        if (extended is None or not isinstance(adapter, array_data_adapter.ArrayDataAdapter)
+                or not adapter._shuffle):
+            return original(self)
+        seeds = self.__dict__.get("_tp_epoch_seeds")
+        if seeds is None:
+            engine = extended.engine
+            seeds = self._tp_epoch_seeds = data_lib.agreed_epoch_seeds(
+                lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
+        with data_lib.tracing_seed(next(seeds)):
+            dataset = adapter.get_tf_dataset()
+        return self._distribute_strategy.experimental_distribute_dataset(dataset)
     return wrapper
 
 
@@ -267,3 +378,5 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
+    _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "_make_function", _make_function)

@@ -40,6 +40,7 @@ from tf_poseidon.comm import codecs, collectives, graph_ops
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm.codecs import Codec
 from tf_poseidon.comm.engine import CollectiveGroup, get_engine
+from tf_poseidon.comm.gather import gather_along
 from tf_poseidon.comm.protocol import AllReduce
 from tf_poseidon.config import StrategyConfig
 
@@ -408,21 +409,6 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_values_from_function(self, value_fn):
         return value_fn(distribute_lib.ValueContext(self._world.rank, self._world.size))
-
-
-def gather_along(engine, sequencer, tensor: tf.Tensor, axis: int) -> tf.Tensor:
-    """Every rank's ``tensor`` concatenated along ``axis`` in rank order (collective)."""
-    rank = tensor.shape.rank
-    if not rank:
-        tensor, axis, rank = tf.reshape(tensor, [1]), 0, 1
-    axis = axis % rank
-    perm = [axis] + [d for d in range(rank) if d != axis]
-    moved = tf.transpose(tensor, perm) if axis else tensor
-    gathered = graph_ops.gather_rows(engine, sequencer, "gather", moved)
-    if not axis:
-        return gathered
-    inverse = [perm.index(d) for d in range(rank)]
-    return tf.transpose(gathered, inverse)
 
 
 class _PoseidonReplicaContext(distribute_lib.ReplicaContext):

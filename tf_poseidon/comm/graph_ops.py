@@ -32,8 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_poseidon.comm import engine as engine_lib
-from tf_poseidon.comm.buckets import Bucket, Item
-from tf_poseidon.comm.protocol import AllGather, BucketProtocol
+from tf_poseidon.comm.buckets import Bucket
+from tf_poseidon.comm.protocol import BucketProtocol
 
 
 class Sequencer:
@@ -138,26 +138,3 @@ def run_buckets(engine: engine_lib.CommEngine, sequencer: Sequencer,
         for position, result in zip(bucket.members, finished):
             results[position] = result
     return results
-
-
-_GATHER = AllGather()
-
-
-def gather_rows(engine: engine_lib.CommEngine, sequencer: Sequencer, name: str,
-                value: tf.Tensor) -> tf.Tensor:
-    """Concatenates every rank's ``value`` along axis 0, in rank order (collective).
-
-    ``value`` may have a different leading dimension on each rank; its other dimensions must
-    be static and equal on every rank. Eager or graph, like :func:`run_buckets`.
-    """
-    inner = value.shape[1:]
-    if not inner.is_fully_defined():
-        raise ValueError(f"tf_poseidon gather needs static dimensions after axis 0, got "
-                         f"{value.shape}.")
-    item = Item(name, tuple(value.shape.as_list()), np.dtype(value.dtype.as_numpy_dtype), 0,
-                AllGather.kind)
-    group = engine_lib.CollectiveGroup(
-        name, [Bucket(0, AllGather.kind, (0,), (item,), item.payload_dtype)],
-        {AllGather.kind: _GATHER})
-    [gathered] = run_buckets(engine, sequencer, group, [[value]])
-    return gathered

@@ -1,0 +1,75 @@
+"""A model's own train_step/test_step and compile(jit_compile=True) at P=2 vs one process.
+
+tests/workers/keras_steps.py trains each configuration in one job per world size (even global
+batches: the guide's step averages its loss over the local rows, which is the global mean only
+when the ranks' shares are equal).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from multirank import check, run_job
+
+TOLERANCE = 1e-5
+CONFIGS = "guide,guide-xla,cnn-xla"
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    single = tmp_path_factory.mktemp("p1")
+    check(run_job(0, "keras_steps.py", str(single), CONFIGS + ",cnn-plain")[0])
+    two = tmp_path_factory.mktemp("p2")
+    dump = tmp_path_factory.mktemp("xla")
+    check(run_job(2, "keras_steps.py", str(two), CONFIGS,
+                  env={"KERAS_STEPS_XLA_DUMP": str(dump)})[0])
+    return single, two, dump
+
+
+def load(out, config, rank):
+    return np.load(out / f"{config}_rank{rank}.npz")
+
+
+def max_difference(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+@pytest.mark.parametrize("config", ["guide", "guide-xla"])
+def test_custom_train_step_metrics_are_global(jobs, config):
+    single, two, _ = jobs
+    reference = load(single, config, 0)
+    for rank in range(2):
+        result = load(two, config, rank)
+        for key in ("weights", "accuracy", "batch_accuracy", "predictions"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)
+        # The accuracy evaluate's own test_step reports.
+        assert max_difference(reference["evaluation"][1], result["evaluation"][1]) <= TOLERANCE
+        # Keras divides a loss computed in a replica context by the number of replicas (so that
+        # summed gradients are the mean); the step's loss metric, fed that loss, is global and
+        # shows the mean loss / P, as under TensorFlow's own strategies.
+        assert max_difference(reference["loss"], 2 * result["loss"]) <= TOLERANCE, rank
+        assert max_difference(reference["evaluation"][0], 2 * result["evaluation"][0]) \
+            <= TOLERANCE, rank
+
+
+def test_jit_compile_matches_one_process_with_xla(jobs):
+    single, two, dump = jobs
+    reference = load(single, "cnn-xla", 0)
+    # The scale: XLA alone moves one process's weights by less than the tolerance (2e-7 here).
+    assert max_difference(reference["weights"], load(single, "cnn-plain", 0)["weights"]) \
+        <= TOLERANCE
+    for rank in range(2):
+        result = load(two, "cnn-xla", rank)
+        for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
+                    "predictions"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)
+    # XLA compiled the backward pass at P=2: a cluster (of the jit scope; Keras' own
+    # jit-compiled functions are named after the function) holds the convolution and the
+    # max-pooling gradient (select-and-scatter).
+    compiled = []
+    for name in os.listdir(dump / "rank0"):
+        if ".cluster_" in name and name.endswith("before_optimizations.txt"):
+            text = (dump / "rank0" / name).read_text()
+            compiled.append("convolution(" in text and "select-and-scatter(" in text)
+    assert any(compiled), f"no XLA cluster holds the backward pass ({len(compiled)} clusters)"

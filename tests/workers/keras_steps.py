@@ -1,0 +1,129 @@
+"""Worker for Keras features around the train step: a model's own train_step/test_step (the
+Keras guide's pattern) and compile(jit_compile=True).
+
+    keras_steps.py OUT
+
+Configurations (each trained with fit for 2 epochs of 10 global batches of 60, then
+evaluated and, for the Sequential ones, predicted):
+  guide        a subclassed model whose train_step/test_step update the compiled metrics
+               and return {m.name: m.result()}
+  guide-xla    the same with jit_compile=True
+  cnn-xla      a Sequential CNN with Adam and jit_compile=True (Keras' own steps)
+  cnn-plain    the same without XLA (only in a world of one: how far XLA alone moves the
+               results, the scale the XLA comparison is measured against)
+Writes OUT/<config>_rank<r>.npz on every rank. With KERAS_STEPS_XLA_DUMP=DIR, XLA writes the
+modules it compiles to DIR/rank<r>.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tf_poseidon as tp  # noqa: E402  (does not import TensorFlow yet)
+
+if os.environ.get("KERAS_STEPS_XLA_DUMP"):
+    os.environ["XLA_FLAGS"] = (f"--xla_dump_to={os.environ['KERAS_STEPS_XLA_DUMP']}/"
+                               f"rank{tp.rank()}")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+GLOBAL_BATCH = 60
+ROWS = 600
+
+
+def data():
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(ROWS, 8, 8, 1)).astype("float32")
+    y = (x[:, :4].sum((1, 2, 3)) > 0).astype("int32") + (x[:, 4:].mean((1, 2, 3)) > 0.1)
+    return x, y.astype("int32")
+
+
+class GuideModel(keras.Model):
+    """The Keras guide's custom step ("Customizing what happens in fit()", TensorFlow): the
+    compiled loss and metrics, updated and read by the model's own train_step/test_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(self.flatten(x)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """The accuracy in the logs of every training batch (what progress bars show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.accuracy = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.accuracy.append(float(logs["accuracy"]))
+
+
+def cnn() -> keras.Model:
+    return keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(6, 3, activation="relu"),
+        keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
+
+
+def run(strategy, config: str, out: str) -> None:
+    x, y = data()
+    keras.utils.set_random_seed(21)
+    with strategy.scope():
+        model = GuideModel() if config.startswith("guide") else cnn()
+        optimizer = (keras.optimizers.SGD(0.1, momentum=0.9) if config.startswith("guide")
+                     else keras.optimizers.Adam(0.01))
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], jit_compile=config.endswith("xla"))
+    batches = BatchLogs()
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[batches])
+    evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
+    predictions = model.predict(x[:97], batch_size=GLOBAL_BATCH, verbose=0)
+    np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
+             loss=history.history["loss"], accuracy=history.history["accuracy"],
+             evaluation=[evaluation["loss"], evaluation["accuracy"]], predictions=predictions,
+             batch_accuracy=batches.accuracy)
+
+
+def main(out: str, configs: str) -> None:
+    strategy = tp.PoseidonStrategy()
+    for config in configs.split(","):
+        run(strategy, config, os.path.join(out, f"{config}_rank{tp.rank()}.npz"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
