@@ -6,9 +6,9 @@ two-output model, and one process for the references. Every comparison is at the
 batch over 10+ steps: weights (trainable and non-trainable), evaluate's results, predict's
 outputs and the outputs of the SavedModel tp.export_for_serving wrote.
 
-Marked xfail (strict): the cases that need features not there yet (sync_batchnorm, batch
-statistics combined across ranks, weighting of accumulated gradients). When a feature lands
-its cases pass, strict makes them fail as XPASS, and the mark must go.
+Marked xfail (strict): the one case that needs what is not there yet (per-output loss metrics
+of an uneven global batch in evaluate; docs/synchronization.md). When it lands, strict makes it
+fail as XPASS, and the mark must go.
 """
 
 import glob
@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from multirank import check, run_job
+
+pytestmark = pytest.mark.multirank
 
 TOLERANCE = 1e-5
 FP16_TOLERANCE = 2e-2
@@ -95,14 +97,7 @@ def assert_equals_one_process(jobs, entry, ranks, reference_entry, keys, export=
 EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
          ("wide_deep-sync", 2), ("two_io-sync", 2),
          ("transformer-sync", 3), ("rnn-sync", 3), ("two_io-sync", 3)]
-ACCUMULATION = needs("weighting of accumulated gradients by each micro-batch's share (an "
-                     "empty one included)")
-SYNC_BATCHNORM = needs("PoseidonStrategy(sync_batchnorm=True)")
-
-
-@pytest.mark.parametrize("entry,ranks", EXACT + [
-    pytest.param("accum-sync", 2, marks=ACCUMULATION),
-    pytest.param("bn_cnn-sbn", 2, marks=SYNC_BATCHNORM)])
+@pytest.mark.parametrize("entry,ranks", EXACT + [("accum-sync", 2), ("bn_cnn-sbn", 2)])
 def test_sync_training_equals_one_process(jobs, entry, ranks):
     # Weights, the History's loss, predict and the export. sfb only changes how gradients
     # travel and sync_batchnorm makes BN exact: both are compared with one process's plain run.
@@ -118,9 +113,8 @@ PER_OUTPUT_LOSSES = needs(
 
 
 @pytest.mark.parametrize("entry,ranks", [c for c in EXACT if c != ("two_io-sync", 3)] + [
-    pytest.param("two_io-sync", 3, marks=PER_OUTPUT_LOSSES),
-    pytest.param("accum-sync", 2, marks=ACCUMULATION),
-    pytest.param("bn_cnn-sbn", 2, marks=SYNC_BATCHNORM)])
+    pytest.param("two_io-sync", 3, marks=PER_OUTPUT_LOSSES), ("accum-sync", 2),
+    ("bn_cnn-sbn", 2)])
 def test_evaluate_equals_one_process(jobs, entry, ranks):
     name, _ = entry.split("-")
     assert_equals_one_process(jobs, entry, ranks, f"{name}-sync", ["evaluation"])
@@ -157,7 +151,6 @@ def test_batchnorm_with_local_statistics_trains_like_one_process(jobs):
         assert_close(first, result, ["trainable"], 0.0, f"rank {rank}")
 
 
-@needs("BatchNormalization statistics combined across ranks")
 def test_batchnorm_statistics_identical_on_every_rank(jobs):
     first = load(jobs(2), "bn_cnn-sync", 0)
     for rank in range(1, 2):
@@ -189,7 +182,6 @@ def test_stale_modes_learn_and_agree_after_drain(jobs, entry):
                      f"rank {rank}")
 
 
-@needs("BatchNormalization statistics combined across ranks")
 @pytest.mark.parametrize("entry", ["bn_cnn-ssp", "bn_cnn-easgd"])
 def test_stale_modes_batchnorm_statistics_agree_after_drain(jobs, entry):
     first = load(jobs(2), entry, 0)

@@ -12,9 +12,10 @@ Two things, chosen by ``PoseidonStrategy(sync_batchnorm=...)`` (docs/synchroniza
   one process's update; the moving variance misses the spread between the ranks' means.
 * **Exact** — ``sync_batchnorm=True``, or a layer built with
   ``BatchNormalization(synchronized=True)``: the forward pass's batch mean and variance are those
-  of the global batch (:func:`global_moments`: one fused all-reduce of Σx, Σx², count per layer,
-  and one more in the backward pass), so P ranks train like one process, BN included. Costs two
-  small collectives per BN layer per step, inside the forward and backward passes.
+  of the global batch (:func:`global_moments`: one all-gather of each rank's count, mean and
+  squared deviations per layer, and one all-reduce in the backward pass), so P ranks train like
+  one process, BN included. Costs two small collectives per BN layer per step, inside the
+  forward and backward passes.
 """
 
 from __future__ import annotations
@@ -30,44 +31,59 @@ def global_moments(extended, x: tf.Tensor, axes: Sequence[int],
     (float32) over ``axes`` across every rank's batch, as one process computes them on the
     global batch; shapes: x's with ``axes`` removed.
 
-    The gradient is exact too: the all-reduce's gradient is the all-reduce of each rank's
-    upstream gradient. When gradients are weighted by batch share (``local_batch`` given:
+    Each rank computes its own rows' count, mean and sum of squared deviations (two passes, as
+    ``tf.nn.moments`` does for one process); one all-gather gives every rank every rank's
+    figures, which it combines without cancellation (Chan et al.: M2 = Σ_p M2_p +
+    Σ_p n_p (m_p − m)², m the global mean) — the one-pass E[x²] − E[x]² loses the variance of a
+    channel whose mean is large against its spread, and with it exactness. The gradient is
+    exact too: the all-gather's gradient is each rank's row of the sum over ranks of their
+    upstream gradients. When gradients are weighted by batch share (``local_batch`` given:
     Keras' ``fit``), each rank's upstream gradient is weighted by its share before that sum and
     unweighted after, so that the batch-share weighting of the parameter gradients leaves the
     other ranks' contributions as they were (an uneven last batch stays exact).
     """
     axes = list(axes)
     kept = [d for d in range(x.shape.rank) if d not in axes]
-    local = tf.concat([tf.reshape(tf.reduce_sum(x, axes), [-1]),
-                       tf.reshape(tf.reduce_sum(tf.square(x), axes), [-1]),
-                       tf.reshape(tf.cast(tf.size(x) // tf.reduce_prod(
-                           tf.gather(tf.shape(x), kept)), x.dtype), [1])], 0)
-    total = _summed(extended, local, local_batch)
-    channels = (tf.size(local) - 1) // 2
-    count = total[-1]
-    mean = tf.math.divide_no_nan(total[:channels], count)
-    variance = tf.maximum(tf.math.divide_no_nan(total[channels:2 * channels], count)
-                          - tf.square(mean), 0.0)
+    count = tf.cast(tf.size(x) // tf.reduce_prod(tf.gather(tf.shape(x), kept)), x.dtype)
+    mean, variance = tf.nn.moments(x, axes)
+    has_rows = count > 0  # a rank without rows: NaN moments, which weigh nothing
+    mean = tf.where(has_rows, mean, tf.zeros_like(mean))
+    squares = tf.where(has_rows, variance * count, tf.zeros_like(variance))
+    local = tf.concat([tf.reshape(count, [1]), tf.reshape(mean, [-1]),
+                       tf.reshape(squares, [-1])], 0)
+    channels = tf.TensorShape([x.shape[d] for d in kept]).num_elements()  # static: the layer's
+    local.set_shape([1 + 2 * channels])
+    everyone = _gathered(extended, local, local_batch)  # [P, 1 + 2C]
+    counts = everyone[:, :1]
+    means, all_squares = everyone[:, 1:1 + channels], everyone[:, 1 + channels:]
+    total = tf.reduce_sum(counts)
+    global_mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, 0), total)
+    spread = tf.reduce_sum(all_squares, 0) + tf.reduce_sum(
+        counts * tf.square(means - global_mean), 0)
     shape = tf.gather(tf.shape(x), kept)
-    return tf.reshape(mean, shape), tf.reshape(variance, shape)
+    return (tf.reshape(global_mean, shape),
+            tf.reshape(tf.math.divide_no_nan(spread, total), shape))
 
 
-def _summed(extended, local: tf.Tensor, local_batch: tf.Tensor | None) -> tf.Tensor:
-    """Σ over ranks of ``local`` (whose last element is this rank's count), differentiable."""
+def _gathered(extended, local: tf.Tensor, local_batch: tf.Tensor | None) -> tf.Tensor:
+    """Every rank's ``local`` (whose first element is its count), stacked in rank order;
+    differentiable."""
     num_replicas = extended._num_replicas_in_sync
+    rank = extended._world.rank
 
     @tf.custom_gradient
-    def all_reduce(value):
-        total = extended.sum_over_ranks([value], "batchnorm")[0]
+    def all_gather(value):
+        everyone = tf.reshape(extended.gather_along(value[tf.newaxis], 0),
+                              [num_replicas, value.shape[0]])
 
         def grad(upstream):
             if local_batch is None:
-                return extended.sum_over_ranks([upstream], "batchnorm_grad")[0]
-            share = num_replicas * value[-1] / total[-1]  # this rank's weight n_p·P/n
-            summed = extended.sum_over_ranks([upstream * share], "batchnorm_grad")[0]
+                return extended.sum_over_ranks([upstream], "batchnorm_grad")[0][rank]
+            share = num_replicas * value[0] / tf.reduce_sum(everyone[:, 0])  # n_p·P/n
+            summed = extended.sum_over_ranks([upstream * share], "batchnorm_grad")[0][rank]
             return tf.math.divide_no_nan(summed, share)
-        return total, grad
-    return all_reduce(local)
+        return everyone, grad
+    return all_gather(local)
 
 
 def state_variables(model) -> list[tf.Variable]:

@@ -143,6 +143,47 @@ def end_together(dataset: tf.data.Dataset,
     return dataset.take(shortest)
 
 
+def describe_input(adapter) -> dict:
+    """What a Keras data adapter says about its input (the same on every rank that was given the
+    same global data): batches per epoch, batch size, the last batch's size (None where the
+    adapter does not know, as for a ``tf.data`` pipeline of unknown length)."""
+    def known(name):
+        try:
+            return getattr(adapter, name)
+        except (NotImplementedError, AttributeError, TypeError, ValueError):
+            return None
+    return {"batches": known("num_batches"), "batch_size": known("batch_size"),
+            "last_batch": known("partial_batch_size") or None}
+
+
+def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
+    """Raises ValueError on every rank if the ranks were given different inputs.
+
+    ``gather(description) -> every rank's description`` is a collective (called once, now).
+    ``fit``, ``evaluate`` and ``predict`` take the *global* data on every rank and split each
+    batch themselves; data of different lengths would make the ranks run different numbers of
+    steps (or batches of different sizes) and fail later, far from the cause.
+    """
+    everyone = gather(description)
+    if all(d == everyone[0] for d in everyone):
+        return
+    def said(rank, d):
+        if d["batches"] is None:
+            return f"rank {rank}: a dataset of unknown length"
+        text = f"rank {rank}: {d['batches']} batches"
+        if d["batch_size"] is not None:
+            text += f" of {d['batch_size']}"
+            if d["last_batch"]:
+                text += f", the last of {d['last_batch']}"
+        return text
+    sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
+    raise ValueError(
+        f"tf_poseidon: the ranks were given different data ({sides}). fit, evaluate and "
+        "predict take the same global data on every rank and give each rank its share of "
+        "every batch: pass the same arrays or dataset to every rank; to give each rank data of "
+        "its own, use strategy.distribute_datasets_from_function.")
+
+
 def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:
     """The graph-level seeds of a shuffled input's epochs, the same on every rank.
 

@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-twelve Keras functions; each wrapper acts only when the current strategy is a
+fifteen Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -61,6 +61,9 @@ original unchanged:
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input;
+* ``TFEpochIterator.__init__`` (``fit``, ``evaluate``, ``predict``): the ranks check that they
+  were given the same global data (batches per epoch, batch size, last batch's size; one small
+  all-gather), or every rank raises saying what each got and what to do;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
@@ -340,6 +343,18 @@ def _reduce_per_replica(original):
     return wrapper
 
 
+def _epoch_iterator(original):
+    def wrapper(self, distribute_strategy=None, *args, **kwargs):
+        original(self, distribute_strategy, *args, **kwargs)
+        extended = _poseidon_extended(distribute_strategy)
+        if extended is not None:
+            engine = extended.engine
+            data_lib.check_same_input(
+                data_lib.describe_input(self.data_adapter),
+                lambda d: engine.call(lambda comm: comm.allgather(d), label="input data"))
+    return wrapper
+
+
 def _epoch_dataset(original):
     def wrapper(self):
         extended = _poseidon_extended(self._distribute_strategy)
@@ -378,5 +393,6 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
+    _wrap(keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator)
     _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "_make_function", _make_function)

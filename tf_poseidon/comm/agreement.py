@@ -26,6 +26,9 @@ import numpy as np
 from tf_poseidon.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 END_OF_PROGRAM = "end of program"
+TRAINING_GROUPS = ("gradients", "ssp_deltas", "easgd", "micro_batch")
+"""The groups that training steps post: one side still training means the ranks' steps
+differ."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +86,7 @@ def mismatch_message(descriptions: list[str], what: str) -> str:
         message += (" A rank reached the end of its program while another still communicated: "
                     "code that runs fit/evaluate/predict or a strategy.reduce on some ranks "
                     "only (e.g. under `if tp.is_chief():`) must run on every rank.")
-    elif any(d.startswith("gradients") for d in descriptions) and len(by_description) > 1:
+    elif any(d.startswith(TRAINING_GROUPS) for d in descriptions):
         message += (" One rank was still training while another had moved on: the ranks ran "
                     "different numbers of steps (different data on each rank: pass the same "
                     "global data to every rank, or use "
