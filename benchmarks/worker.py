@@ -1,31 +1,23 @@
-"""One rank of a benchmark job. benchmarks/runner.py starts it (``python benchmarks/worker.py
---kind KIND --out DIR ...``, one process per rank); not run by hand.
+"""One rank of a benchmark job, started by benchmarks/runner.py (``python benchmarks/worker.py
+--kind KIND --out DIR ...``, one process per rank). Kinds:
 
-Kinds:
+- ``single``: Keras fit without a strategy, the compute-only reference; under ``mpirun`` P
+  independent copies (no communication): what sharing the cores costs alone.
+- ``poseidon``: ``tp.PoseidonStrategy(**options)`` and Keras fit on global batches of P × batch
+  rows; a NotImplementedError from the constructor is recorded as "not available".
+- ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
+  fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
+- ``allreduce``: per codec of ``--codecs``, all-reduces of ``--megabytes`` and of 1 KB of
+  float32, each after a barrier: ``mpi`` is mpi4py's ``Allreduce`` in a process that never
+  imports tf_poseidon; a codec name the engine's all-reduce through that codec.
 
-- ``single``: Keras ``fit`` without any strategy: the compute-only reference. Under ``mpirun``
-  it is P independent copies (no communication at all): what sharing the cores costs alone.
-- ``poseidon``: ``tp.PoseidonStrategy(**options)`` and Keras ``fit`` on global batches of
-  P × batch rows, as users write it. A NotImplementedError from the constructor is recorded as
-  "not available" (every rank raises it alike, so the job ends cleanly).
-- ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING collectives over gRPC) with a custom
-  loop (Keras 3 ``fit`` fails under it in TF 2.21, keras#20585); TF_CONFIG is built from
-  ``--peers`` and this process's MPI rank.
-- ``allreduce``: times all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
-  ``--codecs``: ``mpi`` is mpi4py's ``Allreduce`` in a process that never imports tf_poseidon;
-  a codec name (tf_poseidon.comm.codecs) is the engine's all-reduce through that codec.
-
-The training kinds train ``--model`` (benchmarks/models.py) on synthetic data with SGD, no
-metrics, and share one step clock (:class:`Clock`): a step ends when its loss is on the host
-(Keras' ``on_train_batch_end``; ``.numpy()`` in the custom loop); the timed window runs from the
-end of the last warm-up step to the end of the last step, and this host's ``--nic`` counters
-(``/proc/net/dev`` of the process's network namespace: the emulated host's ``eth0``) are read at
-the same moments. ``--straggler R --delay S --every N`` makes rank R sleep (``--spin``: busy-wait)
-S seconds before steps N-1, 2N-1, ...; ``--straggler moving`` slows rank 0 the first time, rank 1
-the next, and so on.
-
-Every rank writes ``DIR/rank<r>.json`` (atomically, last); rank 0 appends progress lines to
-``DIR/progress``.
+The training kinds train ``--model`` (benchmarks/models.py) on synthetic data, SGD, no metrics,
+with one step clock (:class:`Clock`): a step ends when its loss is on the host; the timed
+window runs from the end of the last warm-up step to the end of the last; the ``--nic``
+counters (the emulated host's ``eth0``) are read at the same moments. ``--straggler R --delay S
+--every N``: rank R (``moving``: rank 0 the first time, then rank 1, ...) sleeps (``--spin``:
+busy-waits) S seconds before steps N-1, 2N-1, ... Every rank writes ``DIR/rank<r>.json``
+(atomically); rank 0 appends progress lines to ``DIR/progress``.
 """
 
 from __future__ import annotations
@@ -38,9 +30,8 @@ import sys
 import time
 
 if __package__ in (None, ""):
-    # Started as a file: make the ``benchmarks`` package importable by appending the repository
-    # root after everything else (an installed tf_poseidon is not shadowed by the checkout's),
-    # and drop this directory (its module names are generic).
+    # Started as a file: make ``benchmarks`` importable by appending the repository root after
+    # everything else (an installed tf_poseidon stays first) and drop this directory.
     _HERE = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
         del sys.path[0]
@@ -49,33 +40,24 @@ if __package__ in (None, ""):
 _T0 = time.perf_counter()
 
 
-def mpi_rank() -> tuple[int, int]:
-    """(rank, size) from Open MPI's environment; (0, 1) without a launcher."""
-    env = os.environ
-    return int(env.get("OMPI_COMM_WORLD_RANK", 0)), int(env.get("OMPI_COMM_WORLD_SIZE", 1))
-
-
 def nic_counters(nic: str | None) -> tuple[int, int] | None:
     """(rx_bytes, tx_bytes) of ``nic`` in this process's network namespace, or None."""
-    if nic:
-        with open("/proc/self/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == nic:
-                    fields = rest.split()
-                    return int(fields[0]), int(fields[8])
-    return None
+    if not nic:
+        return None
+    with open("/proc/self/net/dev") as f:
+        fields = {n.strip(): rest.split() for n, _, rest in (line.partition(":") for line in f)}
+    return (int(fields[nic][0]), int(fields[nic][8])) if nic in fields else None
 
 
 class Clock:
-    """The step clock of one rank: step-end times and NIC counters, the straggler's delay, and
-    the result file. Called from the training thread only."""
+    """One rank's step clock: step ends and NIC counters, the straggler's delay, the result
+    file. Called from the training thread only."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, size: int):
-        self.args, self.rank, self.size = args, rank, size
-        self.ends: list[float] = []
-        self.counters: list[tuple[int, int] | None] = []
-        self.start = time.perf_counter()
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.ends, self.counters, self.start = args, [], [], time.perf_counter()
+        env = os.environ  # Open MPI's, under mpirun and tfposeidon-run
+        self.rank = int(env.get("OMPI_COMM_WORLD_RANK", 0))
+        self.size = int(env.get("OMPI_COMM_WORLD_SIZE", 1))
 
     def progress(self, text: str) -> None:
         if self.rank == 0:
@@ -87,7 +69,7 @@ class Clock:
         self.progress(f"set up in {self.start - _T0:.1f} s; training")
 
     def before_step(self, step: int) -> None:
-        """The straggler's delay, if this rank is slowed before ``step`` (0-based)."""
+        """Sleeps or spins if this rank is the straggler before ``step`` (0-based)."""
         a = self.args
         if a.straggler is None or step % a.every != a.every - 1:
             return
@@ -108,33 +90,28 @@ class Clock:
                       f"({'warm-up' if done <= w else 'timed'}) {last:.2f} s")
 
     def write(self, status: str = "ok", message: str = "", **extra) -> None:
-        """Writes this rank's result: the timed figures (status "ok") and ``extra``."""
-        a = self.args
-        result = {"kind": a.kind, "model": a.model, "rank": self.rank, "size": self.size,
-                  "host": socket.gethostname(), "status": status, "message": message,
-                  "batch": a.batch, "warmup": a.warmup,
-                  "affinity_cpus": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg()[0]}
+        """Writes this rank's result: the timed figures (if steps ran) and ``extra``."""
+        a, w = self.args, self.args.warmup  # >= 1: the first step traces; it is never timed
+        result = {"kind": a.kind, "rank": self.rank, "size": self.size, "status": status,
+                  "message": message, "host": socket.gethostname(), "batch": a.batch,
+                  "warmup": w, "affinity_cpus": len(os.sched_getaffinity(0)),
+                  "loadavg": os.getloadavg()[0]}
         if status == "ok" and self.ends:
-            w = a.warmup  # >= 1: the first step traces and builds; it is never timed
-            if len(self.ends) < w + 1:
-                raise RuntimeError(f"only {len(self.ends)} steps ran; {w} warm-up + 1 needed")
             first, timed = self.ends[w - 1], self.ends[w:]
             result.update(steps=len(timed), window_s=timed[-1] - first, start_s=first,
                           end_s=timed[-1], first_step_s=self.ends[0] - self.start,
                           step_times_s=[b - a_ for a_, b in zip([first] + timed[:-1], timed)])
             before, after = self.counters[w - 1], self.counters[-1]
-            if before is not None and after is not None:
+            if before and after:
                 result.update(rx_bytes=after[0] - before[0], tx_bytes=after[1] - before[1])
-        result.update(extra)
         path = os.path.join(a.out, f"rank{self.rank}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
+            json.dump(result | extra, f)
         os.replace(path + ".tmp", path)
 
 
 def model_and_data(args, rows: int, seed: int = 0):
-    """The model of ``--model`` (uncompiled; build it in the strategy's scope) and one
-    synthetic batch of ``rows`` rows."""
+    """``--model`` (uncompiled; build it in the strategy's scope) and a synthetic batch."""
     from benchmarks import models
     spec = models.mlp(args.width, args.layers) if args.model == "mlp" else models.MODELS[
         args.model]
@@ -142,8 +119,7 @@ def model_and_data(args, rows: int, seed: int = 0):
 
 
 def fit(model, batch, clock: Clock) -> None:
-    """Compiles ``model`` (SGD, no XLA) and runs Keras ``fit`` for warm-up + timed steps on
-    ``batch`` fed every step, clocking each step."""
+    """Compiles ``model`` (SGD, no XLA) and fits it on ``batch`` fed every step."""
     import keras
     import tensorflow as tf
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy",
@@ -158,14 +134,13 @@ def fit(model, batch, clock: Clock) -> None:
         def on_train_batch_end(self, batch, logs=None):
             clock.after_step()
 
-    data = tf.data.Dataset.from_tensors(batch).repeat(clock.args.warmup + clock.args.steps)
     clock.begin()
-    model.fit(data, epochs=1, verbose=0, shuffle=False, callbacks=[StepClock()])
+    model.fit(tf.data.Dataset.from_tensors(batch).repeat(clock.args.warmup + clock.args.steps),
+              epochs=1, verbose=0, callbacks=[StepClock()])
 
 
 def run_single(args, clock: Clock) -> None:
-    model, batch = model_and_data(args, args.batch)
-    fit(model, batch, clock)
+    fit(*model_and_data(args, args.batch), clock)
     clock.write()
 
 
@@ -173,28 +148,24 @@ def run_poseidon(args, clock: Clock) -> None:
     import tf_poseidon as tp  # first: it sizes TensorFlow's thread pools before TF starts
     try:
         strategy = tp.PoseidonStrategy(**json.loads(args.options))
-    except NotImplementedError as e:
-        clock.write("not available", str(e))
-        return
+    except NotImplementedError as e:  # every rank raises it alike: the job ends cleanly
+        return clock.write("not available", str(e))
     with strategy.scope():
         model, batch = model_and_data(args, clock.size * args.batch)  # global batches
     fit(model, batch, clock)
     extra = {"params": model.count_params()}
     try:  # the statistics are extra information, never a reason to fail
-        report = strategy.stats(last_steps=args.steps)
-        records = strategy.extended.engine.stats.records()
+        report, records = strategy.stats(args.steps), strategy.extended.engine.stats.records()
         extra.update(poseidon_stats=report["summary"], mode_stats=report.get("mode"),
-                     plan=str(strategy.plan()),
-                     engine_bytes_sent=sum(r.bytes_sent for r in records),
-                     engine_bytes_received=sum(r.bytes_received for r in records))
+                     plan=str(strategy.plan()), engine_bytes_sent=sum(
+                         r.bytes_sent for r in records))
     except Exception as e:
         extra["poseidon_stats_error"] = repr(e)
     clock.write(**extra)
 
 
 def run_mwms(args, clock: Clock) -> None:
-    rank, size = clock.rank, clock.size
-    peers = args.peers.split(",")
+    rank, size, peers = clock.rank, clock.size, args.peers.split(",")
     if len(peers) != size:
         raise SystemExit(f"--peers names {len(peers)} workers, the job has {size}")
     if args.peer_hosts and socket.gethostname() != args.peer_hosts.split(",")[rank]:
@@ -204,9 +175,9 @@ def run_mwms(args, clock: Clock) -> None:
         {"cluster": {"worker": peers}, "task": {"type": "worker", "index": rank}})
     import keras
     import tensorflow as tf
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING))
     with strategy.scope():
         model, (x, y) = model_and_data(args, args.batch, seed=rank)
         optimizer = keras.optimizers.SGD(0.01)
@@ -236,9 +207,9 @@ def run_mwms(args, clock: Clock) -> None:
     # TF's coordination service keeps a finished worker alive until its peers' heartbeats time
     # out (~100 s per run, measured). Once every rank has written its result, every rank is
     # past its last collective, so leaving at once loses nothing.
-    paths = [os.path.join(args.out, f"rank{r}.json") for r in range(size)]
     deadline = time.monotonic() + 120.0
-    while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(args.out, f"rank{r}.json")) for r in range(size)):
         time.sleep(0.2)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -251,17 +222,17 @@ def run_allreduce(args, clock: Clock) -> None:
     import numpy as np
     if args.codecs == ["mpi"]:
         from mpi4py import MPI
-        comm = MPI.COMM_WORLD
-        call, sum_into = (lambda fn: fn(comm)), {"mpi": lambda c, x, out: c.Allreduce(x, out)}
+        call = lambda fn: fn(MPI.COMM_WORLD)  # noqa: E731
+        sum_into = {"mpi": lambda comm, x, out: comm.Allreduce(x, out)}
     else:
         import tf_poseidon  # noqa: F401  (first: it sizes TensorFlow's thread pools)
-        from tf_poseidon.comm import codecs
-        from tf_poseidon.comm.engine import get_engine
-        call, sum_into = get_engine().call, {c: codecs.get(c).sum_into for c in args.codecs}
+        from tf_poseidon.comm import codecs, engine
+        call = engine.get_engine().call
+        sum_into = {c: codecs.get(c).sum_into for c in args.codecs}
 
     def timed(codec: str, nbytes: int, repeats: int) -> list[float]:
-        x = np.ones(nbytes // 4, np.float32)
-        out, times = np.empty_like(x), []
+        x, times = np.ones(nbytes // 4, np.float32), []
+        out = np.empty_like(x)
         for _ in range(repeats):
             call(lambda comm: comm.Barrier())
             start = time.perf_counter()
@@ -271,8 +242,7 @@ def run_allreduce(args, clock: Clock) -> None:
             raise AssertionError(f"{codec}: wrong all-reduce result on rank {clock.rank}")
         return times
 
-    big = int(args.megabytes * 2**20)
-    results = {}
+    results, big = {}, int(args.megabytes * 2**20)
     for codec in args.codecs:
         timed(codec, big, 1)
         big_s = timed(codec, big, args.repeats)
@@ -282,36 +252,30 @@ def run_allreduce(args, clock: Clock) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/worker.py")
+    p = argparse.ArgumentParser(prog="benchmarks/worker.py", description=__doc__)
     p.add_argument("--kind", choices=("single", "poseidon", "mwms", "allreduce"), required=True)
     p.add_argument("--out", required=True, help="directory for the result files")
-    p.add_argument("--model", default="tiny", help="a name of benchmarks/models.py, or mlp")
-    p.add_argument("--width", type=int, default=1024, help="mlp: inputs and hidden width")
-    p.add_argument("--layers", type=int, default=3, help="mlp: hidden layers")
-    p.add_argument("--batch", type=int, default=32, help="rows per rank per step")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps (>= 1)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--options", default="{}", help="PoseidonStrategy keyword arguments, JSON")
-    p.add_argument("--nic", help="interface whose counters to read")
-    p.add_argument("--peers", default="", help="mwms: host:port of every worker")
-    p.add_argument("--peer-hosts", default="", help="mwms: hostname of every worker")
-    p.add_argument("--straggler", help="the slowed rank, or 'moving'")
-    p.add_argument("--delay", type=float, default=0.1, help="straggler: seconds per slowed step")
-    p.add_argument("--every", type=int, default=1, help="straggler: one step in this many")
-    p.add_argument("--spin", action="store_true", help="straggler: busy-wait, not sleep")
-    p.add_argument("--codecs", nargs="+", default=["mpi"], help="allreduce: mpi or codec names")
-    p.add_argument("--megabytes", type=float, default=64.0, help="allreduce: MiB per call")
-    p.add_argument("--repeats", type=int, default=5, help="allreduce: timed big calls")
-    p.add_argument("--small-repeats", type=int, default=500, help="allreduce: timed 1 KB calls")
+    p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
+    p.add_argument("--straggler", help="the slowed rank, or moving")
+    p.add_argument("--spin", action="store_true")
+    p.add_argument("--codecs", nargs="+", default=["mpi"])
+    for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
+                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500)):
+        p.add_argument(f"--{flag}", type=int, default=default)
+    for flag, default in (("delay", 0.1), ("megabytes", 64.0)):
+        p.add_argument(f"--{flag}", type=float, default=default)
+    for flag in ("nic", "peers", "peer-hosts"):  # mwms: host:port and hostname of every worker
+        p.add_argument(f"--{flag}", default="")
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step builds the graph)")
     if args.codecs != ["mpi"] and "mpi" in args.codecs:
         p.error("--codecs mpi runs alone (its ranks do not import tf_poseidon)")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    clock = Clock(args, *mpi_rank())
-    {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
-     "allreduce": run_allreduce}[args.kind](args, clock)
+    run = {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
+           "allreduce": run_allreduce}[args.kind]
+    run(args, Clock(args))
     return 0
 
 
