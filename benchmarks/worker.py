@@ -1,23 +1,20 @@
 """One rank of a benchmark job, started by benchmarks/runner.py (``python benchmarks/worker.py
---kind KIND --out DIR ...``, one process per rank). Kinds:
+--kind KIND --out DIR ...``, a process per rank). Kinds:
 
-- ``single``: Keras fit without a strategy, the compute-only reference; under ``mpirun`` P
-  independent copies (no communication): what sharing the cores costs alone.
-- ``poseidon``: ``tp.PoseidonStrategy(**options)`` and Keras fit on global batches of P × batch
+- ``single``: Keras fit without a strategy (the compute-only reference); under ``mpirun``, P
+  independent copies, which shows what sharing the cores costs alone.
+- ``poseidon``: ``tp.PoseidonStrategy(**options)``, Keras fit on global batches of P × batch
   rows; a NotImplementedError from the constructor is recorded as "not available".
 - ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
   fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
-- ``allreduce``: per codec of ``--codecs``, all-reduces of ``--megabytes`` and of 1 KB of
-  float32, each after a barrier: ``mpi`` is mpi4py's ``Allreduce`` in a process that never
-  imports tf_poseidon; a codec name the engine's all-reduce through that codec.
+- ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
+  ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
 
-The training kinds train ``--model`` (benchmarks/models.py) on synthetic data, SGD, no metrics,
-with one step clock (:class:`Clock`): a step ends when its loss is on the host; the timed
-window runs from the end of the last warm-up step to the end of the last; the ``--nic``
-counters (the emulated host's ``eth0``) are read at the same moments. ``--straggler R --delay S
---every N``: rank R (``moving``: rank 0 the first time, then rank 1, ...) sleeps (``--spin``:
-busy-waits) S seconds before steps N-1, 2N-1, ... Every rank writes ``DIR/rank<r>.json``
-(atomically); rank 0 appends progress lines to ``DIR/progress``.
+The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD and share
+one step clock (:class:`Clock`); ``--straggler R --delay S --every N`` makes rank R
+(``moving``: rank 0, then 1, ...) sleep (``--spin``: busy-wait) S seconds before steps N-1,
+2N-1, ... Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0 appends progress lines to
+``DIR/progress``.
 """
 
 from __future__ import annotations
@@ -50,8 +47,10 @@ def nic_counters(nic: str | None) -> tuple[int, int] | None:
 
 
 class Clock:
-    """One rank's step clock: step ends and NIC counters, the straggler's delay, the result
-    file. Called from the training thread only."""
+    """One rank's step clock, called from the training thread: a step ends when its loss is
+    on the host; the timed window runs from the end of the last warm-up step to the end of the
+    last step, and ``--nic``'s counters (an emulated host's ``eth0``) are read at the same
+    moments. Also the straggler's delay and the rank's result file."""
 
     def __init__(self, args: argparse.Namespace):
         self.args, self.ends, self.counters, self.start = args, [], [], time.perf_counter()
@@ -110,20 +109,24 @@ class Clock:
         os.replace(path + ".tmp", path)
 
 
-def model_and_data(args, rows: int, seed: int = 0):
-    """``--model`` (uncompiled; build it in the strategy's scope) and a synthetic batch."""
+def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
+    """``--model`` (compiled for fit: SGD, no XLA; call in the strategy's scope) and a
+    synthetic batch of ``rows`` rows."""
+    import keras
     from benchmarks import models
     spec = models.mlp(args.width, args.layers) if args.model == "mlp" else models.MODELS[
         args.model]
-    return models.build(spec), models.synthetic_batch(spec, rows, seed)
+    model = models.build(spec)
+    if compiled:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=False,
+                      loss="sparse_categorical_crossentropy")
+    return model, models.synthetic_batch(spec, rows, seed)
 
 
 def fit(model, batch, clock: Clock) -> None:
-    """Compiles ``model`` (SGD, no XLA) and fits it on ``batch`` fed every step."""
+    """Keras fit of ``model`` on ``batch`` fed every step, clocked."""
     import keras
     import tensorflow as tf
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy",
-                  jit_compile=False)
 
     class StepClock(keras.callbacks.Callback):
         # Overriding a batch hook makes Keras call it synchronously with the step's logs
@@ -179,7 +182,7 @@ def run_mwms(args, clock: Clock) -> None:
         communication_options=tf.distribute.experimental.CommunicationOptions(
             implementation=tf.distribute.experimental.CommunicationImplementation.RING))
     with strategy.scope():
-        model, (x, y) = model_and_data(args, args.batch, seed=rank)
+        model, (x, y) = model_and_data(args, args.batch, seed=rank, compiled=False)
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction="none")
