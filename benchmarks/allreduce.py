@@ -27,12 +27,11 @@ def measure(args, bench: runner.Bench) -> dict:
     job = runner.Job("allreduce", ranks, {
         "codecs": args.codecs, "megabytes": args.megabytes, "repeats": args.repeats,
         "small_repeats": args.small_repeats}, launch="mpirun" if mpi else "launcher",
-                     mpi_args=["--bind-to", args.bind_to])
+                     bind_to=args.bind_to)
     out = {"ranks": ranks, "where": "loopback" if args.loopback else f"{args.hosts} hosts",
            "megabytes": args.megabytes, "rows": []}
     for bandwidth in args.bandwidth:
-        with bench.hosts(ranks, None if bandwidth == "none" else bandwidth,
-                         shared_lo=args.loopback) as cluster:
+        with bench.hosts(ranks, bandwidth, shared_lo=args.loopback) as cluster:
             ranks_times = [r["allreduce"] for r in bench.repeat(
                 cluster, {f"{bandwidth}": job})[bandwidth][0]["per_rank"]]
         out["rows"] += [{"bandwidth": bandwidth, "codec": codec} | {  # the slowest rank's

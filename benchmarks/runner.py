@@ -248,7 +248,7 @@ class Bench:
         self.emulate, self.timeout, self.logs, self.say = emulate, timeout, logs, say
 
     def hosts(self, ranks: int, bandwidth: str | None = None, **kwargs):
-        return hosts(ranks, bandwidth, self.emulate, **kwargs)
+        return hosts(ranks, None if bandwidth == "none" else bandwidth, self.emulate, **kwargs)
 
     def repeat(self, cluster, jobs: dict[str, Job], repeats: int = 1) -> dict[str, list[dict]]:
         """Every job ``repeats`` times, interleaved (A, B, A, B, ...) so that a drift of the
@@ -297,6 +297,8 @@ def feature_main(argv, doc: str, measure, table, emulated: bool = True,
             results = json.load(f)
     else:
         emulate, where = emulation(args.no_netns) if emulated else (False, "this machine")
+        if not emulate and hasattr(args, "bandwidth"):  # what the tables say of the links
+            args.bandwidth = ["none"] if isinstance(args.bandwidth, list) else "none"
         logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=args.logs)
         print(f"Hosts: {where}\nLogs: {logs}\nLoad average: {os.getloadavg()[0]:.1f}", flush=True)
         results = measure(args, Bench(emulate, args.timeout, logs, lambda t: print(t, flush=True)))
