@@ -10,8 +10,6 @@ with one result per (model, config, ranks, bandwidth): ``status`` ("ok", "not av
 benchmarks.runner.aggregate. docs/benchmarks.md defines the derived figures.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import re
@@ -297,9 +295,9 @@ def write_markdown(run: dict, path: str) -> None:
 
 
 def chart(run: dict, path: str) -> None:
-    """A PNG of samples/s: one panel per model, a bar per configuration grouped by hosts ×
-    link, one process as a dashed line, P processes without communication dotted over its
-    group. Needs matplotlib."""
+    """A PNG of samples/s: a panel per model, a bar per configuration grouped by hosts × link
+    (0 and gray text if it did not run), one process dashed across the panel, P processes
+    without communication dotted over their group. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -307,39 +305,33 @@ def chart(run: dict, path: str) -> None:
     models = [m for m in MODELS if any(r["model"] == m for r in rows)] or ["fc"]
     fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)
     names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")]
+    width = 0.8 / len(names)
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         combos = sorted({(r["ranks"], r["bandwidth"]) for r in mine if r["ranks"] > 1},
                         key=lambda c: (c[0], rate_bits(c[1]) or 0))
-        top = max([r["samples_per_s"] for r in mine if _ok(r) and r["config"] != "concurrent"]
-                  or [1.0])
-        for (i, name), (j, (ranks, bw)) in ((x, y) for x in enumerate(names)
-                                            for y in enumerate(combos)):
-            r, x = find(mine, model, name, ranks, bw), j + (i - (len(names) - 1) / 2) * 0.8 / len(
-                names)
-            if r is not None:
-                value = r["samples_per_s"] if _ok(r) else 0
-                ax.bar(x, value, 0.8 / len(names), color=plt.get_cmap("tab10")(i % 10),
-                       label=name if j == 0 else None)
-                ax.annotate(f"{value:.1f}" if _ok(r) else "n/a" if r["status"] == "not available"
-                            else "failed", (x, value or 0.02 * top), ha="center", va="bottom",
-                            fontsize=6, **({} if _ok(r) else {"rotation": 90, "color": "gray"}))
+        top = max([r["samples_per_s"] for r in mine if _ok(r)] or [1.0])
         for j, (ranks, bw) in enumerate(combos):
+            for i, r in enumerate(find(mine, model, name, ranks, bw) for name in names):
+                x, value = j + (i - (len(names) - 1) / 2) * width, r and _ok(r) and r[
+                    "samples_per_s"]
+                if r is not None:
+                    ax.bar(x, value, width, color=f"C{i}", label=None if j else names[i])
+                    ax.annotate(f"{value:.1f}" if value else r["status"], (x, value or top / 50),
+                                ha="center", va="bottom", fontsize=6,
+                                **({} if value else {"rotation": 90, "color": "gray"}))
             r = find(mine, model, "concurrent", ranks, bw)
             if _ok(r):
                 ax.hlines(r["samples_per_s"], j - 0.45, j + 0.45, colors="black",
-                          linestyles="dotted", label="P processes, no comm." if j == 0 else None)
-                ax.annotate(f"{r['samples_per_s']:.1f}", (j + 0.45, r["samples_per_s"]),
-                            ha="left", va="center", fontsize=6)
+                          linestyles="dotted", label=None if j else "P processes, no comm.")
         single = find(mine, model, "single")
         if _ok(single):
             ax.axhline(single["samples_per_s"], color="black", linestyle="--", linewidth=1,
                        label=f"one process ({single['samples_per_s']:.1f})")
         ax.set_xticks(range(len(combos)), [link_label(b, n) for n, b in combos])
-        ax.set_xlim(-0.6, max(1, len(combos)) - 0.4)
-        ax.set(ylabel="samples/s (all ranks)", title=_title(model))
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set(xlim=(-0.6, max(1, len(combos)) - 0.4), ylabel="samples/s (all ranks)",
+               title=_title(model))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("tf_poseidon vs MultiWorkerMirroredStrategy, emulated Ethernet, "
                  f"batch {run['settings']['batch']} per rank")

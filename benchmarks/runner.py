@@ -7,8 +7,6 @@ links shaped with tc, real multi-host ``mpirun`` over TCP; needs root) or :class
 Both are context managers whose exit kills what they started.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import dataclasses

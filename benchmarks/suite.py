@@ -16,8 +16,6 @@ so Ctrl-C, a crash or a timeout keeps what was measured. Options the strategy re
 NotImplementedError are recorded as "not available". Blocks; prints progress and the tables.
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import json
@@ -56,6 +54,13 @@ def precheck(config: Config, ranks: int) -> tuple[str, str] | None:
     except ValueError as e:
         return "failed", f"invalid options: {e}"
     return None
+
+
+def job_for(config: Config, model: str, ranks: int, settings: dict) -> runner.Job:
+    """The job of ``config`` (concurrent: P single processes under mpirun)."""
+    return runner.Job("single" if config.kind == "concurrent" else config.kind, ranks,
+                      {"model": model} | {k: settings[k] for k in ("batch", "warmup", "steps")},
+                      config.kwargs_for(ranks) if config.kind == "poseidon" else None)
 
 
 def plan(settings: dict) -> list[tuple[int, str | None, str, Config]]:
@@ -103,11 +108,8 @@ def run_suite(settings: dict, emulate: bool, emulation: str, save, command: str,
                     current = {"model": model, "config": config.name, "ranks": ranks,
                                "bandwidth": bw}
                     say(f"[{_clock(t0)}] {where} {config.name} — {config.label}")
-                    job = runner.Job("single" if config.kind == "concurrent" else config.kind,
-                                     ranks, {k: settings[k] for k in ("batch", "warmup", "steps")}
-                                     | {"model": model},
-                                     config.kwargs_for(ranks) if config.kind == "poseidon" else None)
-                    done = runner.run(job, cluster, settings["timeout"], logs, say)
+                    done = runner.run(job_for(config, model, ranks, settings), cluster,
+                                      settings["timeout"], logs, say)
                     result = current | {"status": done["status"], "message": done["message"]}
                     if done["status"] == "ok":
                         result.update(runner.aggregate(done["per_rank"], settings["batch"]))

@@ -17,8 +17,6 @@ one step clock (:class:`Clock`); ``--straggler R --delay S --every N`` makes ran
 ``DIR/progress``.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
