@@ -331,7 +331,8 @@ def chart(run: dict, path: str) -> None:
         ax.set_xticks(range(len(combos)), [link_label(b, n) for n, b in combos])
         ax.set(xlim=(-0.6, max(1, len(combos)) - 0.4), ylabel="samples/s (all ranks)",
                title=_title(model))
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("tf_poseidon vs MultiWorkerMirroredStrategy, emulated Ethernet, "
                  f"batch {run['settings']['batch']} per rank")
