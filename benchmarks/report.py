@@ -324,6 +324,8 @@ def chart(run: dict, path: str) -> None:
             if _ok(r):
                 ax.hlines(r["samples_per_s"], j - 0.45, j + 0.45, colors="black",
                           linestyles="dotted", label=None if j else "P processes, no comm.")
+                ax.annotate(f"{r['samples_per_s']:.1f}", (j + 0.45, r["samples_per_s"]),
+                            ha="left", va="center", fontsize=6)
         single = find(mine, model, "single")
         if _ok(single):
             ax.axhline(single["samples_per_s"], color="black", linestyle="--", linewidth=1,
