@@ -1,35 +1,21 @@
-"""One rank of one benchmark configuration (started by benchmarks/suite.py; not run by hand).
+"""One rank of a benchmark job, started by benchmarks/runner.py (``python benchmarks/worker.py
+--kind KIND --out DIR ...``, a process per rank). Kinds:
 
-::
+- ``single``: Keras fit without a strategy (the compute-only reference); under ``mpirun``, P
+  independent copies, which shows what sharing the cores costs alone.
+- ``poseidon``: ``tp.PoseidonStrategy(**options)``, Keras fit on global batches of P × batch
+  rows; a NotImplementedError from the constructor is recorded as "not available".
+- ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
+  fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
+- ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
+  ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
 
-    python benchmarks/worker.py --kind single --model fc --out DIR --name single
-    tfposeidon-run ... python benchmarks/worker.py --kind poseidon --options '{"sfb": "never"}'
-    mpirun ... python benchmarks/worker.py --kind mwms --peers 10.77.0.1:23456,10.77.0.2:23456
-
-Kinds:
-
-- ``single``: Keras ``fit`` without any strategy: the compute-only reference. Under ``mpirun``
-  it is P independent copies (no communication at all), which shows what sharing the machine's
-  cores costs by itself.
-- ``poseidon``: ``tp.PoseidonStrategy(**options)`` and Keras ``fit`` on global batches of
-  P × batch rows, as users write it. A NotImplementedError from the constructor is recorded as
-  "not available" (every rank raises it alike, so the job ends cleanly).
-- ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING collectives over gRPC) with a custom
-  loop (Keras 3 ``fit`` fails under it in TF 2.21, keras#20585); TF_CONFIG is built from
-  ``--peers`` and this process's rank under ``mpirun``.
-
-All kinds train on Horovod-style synthetic data (one random batch with fixed random labels,
-fed every step) with SGD, no metrics. Timing: the wall time from the end of the last warm-up
-step to the end of the last step, measured at the end of each step once its loss is on the host
-(a Keras callback for ``fit``; ``.numpy()`` in the custom loop). Bytes on the wire: this host's
-``--nic`` transmit/receive counters (``/proc/net/dev`` of the process's network namespace, i.e.
-the emulated host's ``eth0``) read at the same two moments.
-
-Every rank writes ``OUT/NAME.rank<r>.json``; rank 0 appends progress lines to
-``OUT/NAME.progress`` (the suite shows them while it waits).
+The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD and share
+one step clock (:class:`Clock`); ``--straggler R --delay S --every N`` makes rank R
+(``moving``: rank 0, then 1, ...) sleep (``--spin``: busy-wait) S seconds before steps N-1,
+2N-1, ... Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0 appends progress lines to
+``DIR/progress``.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -39,9 +25,8 @@ import sys
 import time
 
 if __package__ in (None, ""):
-    # Run as a file (python benchmarks/X.py): make the ``benchmarks`` package importable by
-    # appending the repository root, after everything else, so that an installed tf_poseidon
-    # is not shadowed by the checkout; and drop this directory (its module names are generic).
+    # Started as a file: make ``benchmarks`` importable by appending the repository root after
+    # everything else (an installed tf_poseidon stays first) and drop this directory.
     _HERE = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == _HERE:
         del sys.path[0]
@@ -50,231 +35,248 @@ if __package__ in (None, ""):
 _T0 = time.perf_counter()
 
 
-def launcher_rank() -> tuple[int, int]:
-    """(rank, size) from Open MPI's/PMI's environment, (0, 1) without a launcher."""
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE"), ("PMI_RANK", "PMI_SIZE")):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    return 0, 1
-
-
 def nic_counters(nic: str | None) -> tuple[int, int] | None:
     """(rx_bytes, tx_bytes) of ``nic`` in this process's network namespace, or None."""
     if not nic:
         return None
     with open("/proc/self/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == nic:
-                fields = rest.split()
-                return int(fields[0]), int(fields[8])
-    return None
+        fields = {n.strip(): rest.split() for n, _, rest in (line.partition(":") for line in f)}
+    return (int(fields[nic][0]), int(fields[nic][8])) if nic in fields else None
 
 
-class Recorder:
-    """Step-end timestamps and NIC counters of one rank; writes its result file."""
+class Clock:
+    """One rank's step clock, called from the training thread: a step ends when its loss is
+    on the host; the timed window runs from the end of the last warm-up step to the end of the
+    last step, and ``--nic``'s counters (an emulated host's ``eth0``) are read at the same
+    moments. Also the straggler's delay and the rank's result file."""
 
-    def __init__(self, args, rank: int, size: int):
-        self.args, self.rank, self.size = args, rank, size
-        self.ends: list[float] = []
-        self.counters: list[tuple[int, int] | None] = []
-        self.extra: dict = {}
-        self.progress_path = os.path.join(args.out, f"{args.name}.progress")
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.ends, self.counters, self.start = args, [], [], time.perf_counter()
+        env = os.environ  # Open MPI's, under mpirun and tfposeidon-run
+        self.rank = int(env.get("OMPI_COMM_WORLD_RANK", 0))
+        self.size = int(env.get("OMPI_COMM_WORLD_SIZE", 1))
 
     def progress(self, text: str) -> None:
         if self.rank == 0:
-            with open(self.progress_path, "a") as f:
-                f.write(f"{text}\n")
-
-    def step_end(self) -> None:
-        """Called once per training step, after the step's loss reached the host."""
-        self.ends.append(time.perf_counter())
-        self.counters.append(nic_counters(self.args.nic))
-        done, total = len(self.ends), self.args.warmup + self.args.steps
-        last = self.ends[-1] - (self.ends[-2] if done > 1 else self.start)
-        phase = "warm-up" if done <= self.args.warmup else "timed"
-        self.progress(f"step {done}/{total} ({phase}) {last:.2f} s")
+            with open(os.path.join(self.args.out, "progress"), "a") as f:
+                f.write(text + "\n")
 
     def begin(self) -> None:
         self.start = time.perf_counter()
         self.progress(f"set up in {self.start - _T0:.1f} s; training")
 
-    def write(self, status: str = "ok", message: str = "") -> None:
+    def before_step(self, step: int) -> None:
+        """Sleeps or spins if this rank is the straggler before ``step`` (0-based)."""
         a = self.args
-        result = {"name": a.name, "kind": a.kind, "model": a.model, "rank": self.rank,
-                  "size": self.size, "host": socket.gethostname(), "status": status,
-                  "message": message, "batch": a.batch, "warmup": a.warmup,
-                  "affinity_cpus": len(os.sched_getaffinity(0)),
-                  "intra_op_threads_env": os.environ.get("TF_NUM_INTRAOP_THREADS"),
-                  "loadavg": os.getloadavg()[0], **self.extra}
-        if status == "ok":
-            w = a.warmup  # >= 1: the first step traces and builds; it is never timed
-            if len(self.ends) < w + 1:
-                raise RuntimeError(f"only {len(self.ends)} steps ran; {w} warm-up + 1 needed")
+        if a.straggler is None or step % a.every != a.every - 1:
+            return
+        slowed = (step // a.every) % self.size if a.straggler == "moving" else int(a.straggler)
+        if slowed == self.rank:
+            until = time.perf_counter() + a.delay
+            while a.spin and time.perf_counter() < until:
+                pass
+            time.sleep(max(0.0, until - time.perf_counter()))
+
+    def after_step(self) -> None:
+        """Called once per step, after the step's loss reached the host."""
+        self.ends.append(time.perf_counter())
+        self.counters.append(nic_counters(self.args.nic))
+        done, w = len(self.ends), self.args.warmup
+        last = self.ends[-1] - (self.ends[-2] if done > 1 else self.start)
+        self.progress(f"step {done}/{w + self.args.steps} "
+                      f"({'warm-up' if done <= w else 'timed'}) {last:.2f} s")
+
+    def write(self, status: str = "ok", message: str = "", **extra) -> None:
+        """Writes this rank's result: the timed figures (if steps ran) and ``extra``."""
+        a, w = self.args, self.args.warmup  # >= 1: the first step traces; it is never timed
+        result = {"kind": a.kind, "rank": self.rank, "size": self.size, "status": status,
+                  "message": message, "host": socket.gethostname(), "batch": a.batch,
+                  "warmup": w, "affinity_cpus": len(os.sched_getaffinity(0)),
+                  "loadavg": os.getloadavg()[0]}
+        if status == "ok" and self.ends:
             first, timed = self.ends[w - 1], self.ends[w:]
-            result["steps"] = len(timed)
-            result["window_s"] = timed[-1] - first
-            result["step_times_s"] = [b - a_ for a_, b in zip([first] + timed[:-1], timed)]
-            result["first_step_s"] = self.ends[0] - self.start
-            before = self.counters[w - 1]
-            after = self.counters[-1]
-            if before is not None and after is not None:
-                result["rx_bytes"] = after[0] - before[0]
-                result["tx_bytes"] = after[1] - before[1]
-        path = os.path.join(a.out, f"{a.name}.rank{self.rank}.json")
+            result.update(steps=len(timed), window_s=timed[-1] - first, start_s=first,
+                          end_s=timed[-1], first_step_s=self.ends[0] - self.start,
+                          step_times_s=[b - a_ for a_, b in zip([first] + timed[:-1], timed)])
+            before, after = self.counters[w - 1], self.counters[-1]
+            if before and after:
+                result.update(rx_bytes=after[0] - before[0], tx_bytes=after[1] - before[1])
+        path = os.path.join(a.out, f"rank{self.rank}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
+            json.dump(result | extra, f)
         os.replace(path + ".tmp", path)
 
 
-def run_fit(model, dataset, recorder: Recorder) -> None:
-    """Keras ``fit`` over ``dataset`` for warmup + steps steps, timing each step."""
+def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
+    """``--model`` (compiled for fit: SGD, no XLA; call in the strategy's scope) and a
+    synthetic batch of ``rows`` rows."""
     import keras
+    from benchmarks import models
+    spec = models.mlp(args.width, args.layers) if args.model == "mlp" else models.MODELS[
+        args.model]
+    model = models.build(spec)
+    if compiled:
+        model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=False,
+                      loss="sparse_categorical_crossentropy")
+    return model, models.synthetic_batch(spec, rows, seed)
 
-    class StepTimer(keras.callbacks.Callback):
+
+def fit(model, batch, clock: Clock) -> None:
+    """Keras fit of ``model`` on ``batch`` fed every step, clocked."""
+    import keras
+    import tensorflow as tf
+
+    class StepClock(keras.callbacks.Callback):
         # Overriding a batch hook makes Keras call it synchronously with the step's logs
         # converted to Python numbers, i.e. after the step finished.
+        def on_train_batch_begin(self, batch, logs=None):
+            clock.before_step(batch)
+
         def on_train_batch_end(self, batch, logs=None):
-            recorder.step_end()
+            clock.after_step()
 
-    recorder.begin()
-    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[StepTimer()])
-
-
-def compile_model(model) -> None:
-    import keras
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy",
-                  jit_compile=False)
+    clock.begin()
+    model.fit(tf.data.Dataset.from_tensors(batch).repeat(clock.args.warmup + clock.args.steps),
+              epochs=1, verbose=0, callbacks=[StepClock()])
 
 
-def main_single(args, recorder: Recorder) -> None:
-    import tensorflow as tf
-    from benchmarks import models
-    model = models.build(args.model)
-    compile_model(model)
-    x, y = models.synthetic_batch(args.model, args.batch)
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(args.warmup + args.steps)
-    run_fit(model, dataset, recorder)
-    recorder.write()
+def run_single(args, clock: Clock) -> None:
+    fit(*model_and_data(args, args.batch), clock)
+    clock.write()
 
 
-def main_poseidon(args, recorder: Recorder) -> None:
+def run_poseidon(args, clock: Clock) -> None:
     import tf_poseidon as tp  # first: it sizes TensorFlow's thread pools before TF starts
-    options = json.loads(args.options)
     try:
-        strategy = tp.PoseidonStrategy(**options)
-    except NotImplementedError as e:
-        recorder.write("not available", str(e))
-        return
-    import tensorflow as tf
-    from benchmarks import models
+        strategy = tp.PoseidonStrategy(**json.loads(args.options))
+    except NotImplementedError as e:  # every rank raises it alike: the job ends cleanly
+        return clock.write("not available", str(e))
     with strategy.scope():
-        model = models.build(args.model)
-        compile_model(model)
-    size = strategy.num_replicas_in_sync
-    x, y = models.synthetic_batch(args.model, size * args.batch)  # global batches
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(args.warmup + args.steps)
-    run_fit(model, dataset, recorder)
-    stats = getattr(strategy, "stats", None)
-    if stats is not None:
-        try:
-            recorder.extra["poseidon_stats"] = stats(last_steps=args.steps).get("summary")
-        except Exception as e:  # the stats are extra information, never a reason to fail
-            recorder.extra["poseidon_stats_error"] = repr(e)
-    recorder.write()
+        model, batch = model_and_data(args, clock.size * args.batch)  # global batches
+    fit(model, batch, clock)
+    extra = {"params": model.count_params()}
+    try:  # the statistics are extra information, never a reason to fail
+        report, records = strategy.stats(args.steps), strategy.extended.engine.stats.records()
+        extra.update(poseidon_stats=report["summary"], mode_stats=report.get("mode"),
+                     plan=str(strategy.plan()), engine_bytes_sent=sum(
+                         r.bytes_sent for r in records))
+    except Exception as e:
+        extra["poseidon_stats_error"] = repr(e)
+    clock.write(**extra)
 
 
-def main_mwms(args, recorder: Recorder) -> None:
-    rank, size = recorder.rank, recorder.size
-    peers = args.peers.split(",")
+def run_mwms(args, clock: Clock) -> None:
+    rank, size, peers = clock.rank, clock.size, args.peers.split(",")
     if len(peers) != size:
         raise SystemExit(f"--peers names {len(peers)} workers, the job has {size}")
-    if args.peer_hosts:
-        expected = args.peer_hosts.split(",")[rank]
-        if socket.gethostname() != expected:
-            raise SystemExit(f"rank {rank} runs on {socket.gethostname()}, but TF_CONFIG "
-                             f"places it on {expected}")
+    if args.peer_hosts and socket.gethostname() != args.peer_hosts.split(",")[rank]:
+        raise SystemExit(f"rank {rank} runs on {socket.gethostname()}, but TF_CONFIG places it "
+                         f"on {args.peer_hosts.split(',')[rank]}")
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": peers}, "task": {"type": "worker", "index": rank}})
     import keras
     import tensorflow as tf
-    from benchmarks import models
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    global_batch = size * args.batch
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING))
     with strategy.scope():
-        model = models.build(args.model)
+        model, (x, y) = model_and_data(args, args.batch, seed=rank, compiled=False)
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction="none")
-    x, y = models.synthetic_batch(args.model, args.batch, seed=rank)
-
-    def dataset_fn(context):
-        return tf.data.Dataset.from_tensors((x, y)).repeat(args.warmup + args.steps)
-
-    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    steps = args.warmup + args.steps
+    iterator = iter(strategy.distribute_datasets_from_function(
+        lambda context: tf.data.Dataset.from_tensors((x, y)).repeat(steps)))
 
     @tf.function
     def train_step(iterator):
         def step(features, labels):
             with tf.GradientTape() as tape:
-                predictions = model(features, training=True)
-                loss = tf.nn.compute_average_loss(loss_fn(labels, predictions),
-                                                  global_batch_size=global_batch)
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                                  global_batch_size=size * args.batch)
             gradients = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(gradients, model.trainable_variables))
             return loss
         return strategy.reduce("SUM", strategy.run(step, args=next(iterator)), axis=None)
 
-    recorder.begin()
-    for _ in range(args.warmup + args.steps):
+    clock.begin()
+    for i in range(steps):
+        clock.before_step(i)
         train_step(iterator).numpy()
-        recorder.step_end()
-    recorder.write()
-    # TF's coordination service keeps a finished worker alive until its peers' heartbeats
-    # time out (~100 s per run, measured). Once every rank has written its result, every
-    # rank is past its last collective, so leaving at once loses nothing.
-    wait_for_results(args, size)
+        clock.after_step()
+    clock.write()
+    # TF's coordination service keeps a finished worker alive until its peers' heartbeats time
+    # out (~100 s per run, measured). Once every rank has written its result, every rank is
+    # past its last collective, so leaving at once loses nothing.
+    deadline = time.monotonic() + 120.0
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(args.out, f"rank{r}.json")) for r in range(size)):
+        time.sleep(0.2)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def wait_for_results(args, size: int, timeout_s: float = 120.0) -> None:
-    """Blocks until every rank's result file exists (or ``timeout_s`` passes)."""
-    paths = [os.path.join(args.out, f"{args.name}.rank{r}.json") for r in range(size)]
-    deadline = time.monotonic() + timeout_s
-    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
-        time.sleep(0.2)
+def run_allreduce(args, clock: Clock) -> None:
+    """Per codec: seconds of each timed all-reduce of ``--megabytes`` (``big_s``) and of 1 KB
+    (``small_s``), each after a barrier, following warm-ups (connections, buffers)."""
+    import numpy as np
+    if args.codecs == ["mpi"]:
+        from mpi4py import MPI
+        call = lambda fn: fn(MPI.COMM_WORLD)  # noqa: E731
+        sum_into = {"mpi": lambda comm, x, out: comm.Allreduce(x, out)}
+    else:
+        import tf_poseidon  # noqa: F401  (first: it sizes TensorFlow's thread pools)
+        from tf_poseidon.comm import codecs, engine
+        call = engine.get_engine().call
+        sum_into = {c: codecs.get(c).sum_into for c in args.codecs}
+
+    def timed(codec: str, nbytes: int, repeats: int) -> list[float]:
+        x, times = np.ones(nbytes // 4, np.float32), []
+        out = np.empty_like(x)
+        for _ in range(repeats):
+            call(lambda comm: comm.Barrier())
+            start = time.perf_counter()
+            call(lambda comm: sum_into[codec](comm, x, out))
+            times.append(time.perf_counter() - start)
+        if repeats and not np.allclose(out, clock.size, rtol=1e-2):
+            raise AssertionError(f"{codec}: wrong all-reduce result on rank {clock.rank}")
+        return times
+
+    results, big = {}, int(args.megabytes * 2**20)
+    for codec in args.codecs:
+        timed(codec, big, 1)
+        big_s = timed(codec, big, args.repeats)
+        timed(codec, 1024, min(20, args.small_repeats))
+        results[codec] = {"big_s": big_s, "small_s": timed(codec, 1024, args.small_repeats)}
+    clock.write(allreduce=results)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/worker.py")
-    parser.add_argument("--kind", choices=("single", "poseidon", "mwms"), required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--name", required=True, help="configuration name (file names)")
-    parser.add_argument("--out", required=True, help="directory for the result files")
-    parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--options", default="{}", help="PoseidonStrategy keyword arguments")
-    parser.add_argument("--nic", default=None, help="interface whose counters to read")
-    parser.add_argument("--peers", default="", help="MWMS: host:port of every worker")
-    parser.add_argument("--peer-hosts", default="", help="MWMS: hostname of every worker")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="benchmarks/worker.py", description=__doc__)
+    p.add_argument("--kind", choices=("single", "poseidon", "mwms", "allreduce"), required=True)
+    p.add_argument("--out", required=True, help="directory for the result files")
+    p.add_argument("--options", default="{}", help="PoseidonStrategy keyword arguments, JSON")
+    p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
+    p.add_argument("--straggler", help="the slowed rank, or moving")
+    p.add_argument("--spin", action="store_true")
+    p.add_argument("--codecs", nargs="+", default=["mpi"])
+    for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
+                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500)):
+        p.add_argument(f"--{flag}", type=int, default=default)
+    for flag, default in (("delay", 0.1), ("megabytes", 64.0)):
+        p.add_argument(f"--{flag}", type=float, default=default)
+    for flag in ("nic", "peers", "peer-hosts"):  # mwms: host:port and hostname of every worker
+        p.add_argument(f"--{flag}", default="")
+    args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
-        parser.error("--warmup and --steps must be >= 1 (the first step builds the graph)")
+        p.error("--warmup and --steps must be >= 1 (the first step builds the graph)")
+    if args.codecs != ["mpi"] and "mpi" in args.codecs:
+        p.error("--codecs mpi runs alone (its ranks do not import tf_poseidon)")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.kind == "poseidon":
-        import tf_poseidon as tp
-        rank, size = tp.rank(), tp.size()
-    else:
-        rank, size = launcher_rank()
-    recorder = Recorder(args, rank, size)
-    {"single": main_single, "poseidon": main_poseidon, "mwms": main_mwms}[args.kind](
-        args, recorder)
+    run = {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
+           "allreduce": run_allreduce}[args.kind]
+    run(args, Clock(args))
     return 0
 
 

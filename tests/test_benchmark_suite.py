@@ -1,6 +1,6 @@
 """The benchmark harness (benchmarks/): configuration list, figures derived from results,
 goal table, report and chart, the worker's "not available" path, and one tiny unshaped
-end-to-end run on loopback (a few dozen seconds)."""
+end-to-end run of the suite on loopback (a few dozen seconds)."""
 
 import json
 import os
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from benchmarks import models, report, suite, worker
+from benchmarks import models, report, runner, suite, worker
 from benchmarks.report import CONFIG_BY_NAME, CONFIGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_configuration_of_the_issue_is_in_the_suite():
-    kinds = {c.name: (c.kind, c.kwargs) for c in CONFIGS}
+    kinds = {c.name: (c.kind, c.options) for c in CONFIGS}
     assert kinds["single"] == ("single", {})
     assert kinds["mwms"] == ("mwms", {})
     assert kinds["naive"] == ("poseidon", {"overlap": False, "sfb": "never"})
@@ -32,7 +32,7 @@ def test_every_configuration_of_the_issue_is_in_the_suite():
 def test_poseidon_options_are_valid_or_not_yet_implemented():
     from tf_poseidon.config import StrategyConfig
     for config in CONFIGS:
-        if not config.is_poseidon:
+        if config.kind != "poseidon":
             continue
         for ranks in (2, 4):
             try:
@@ -43,16 +43,17 @@ def test_poseidon_options_are_valid_or_not_yet_implemented():
 
 
 def test_precheck_reports_invalid_options_as_failed():
-    bad = report.Config("bad", "bad", "poseidon", (("tau", 0),))
+    bad = report.Config("bad", "bad", "poseidon", {"tau": 0})
     status, message = suite.precheck(bad, 2)
     assert status == "failed" and message.startswith("invalid options: ") and "tau" in message
 
 
 def test_models_table_matches_the_built_models():
     for name in ("fc", "tiny"):  # the CNNs take seconds to build; their counts are in models.py
-        assert models.build(name).count_params() == models.MODELS[name].params
+        assert models.build(models.MODELS[name]).count_params() == models.MODELS[name].params
     assert models.MODELS["fc"].params == 123_642_856  # 123.6 M, the VGG-16 head
-    x, y = models.synthetic_batch("fc", 4)
+    assert models.build(models.mlp(16, 2)).count_params() == models.mlp(16, 2).params
+    x, y = models.synthetic_batch(models.MODELS["fc"], 4)
     assert x.shape == (4, 25088) and x.dtype.name == "float32" and y.max() < 1000
 
 
@@ -82,8 +83,9 @@ def test_plan_runs_references_first_then_each_cluster():
                                                                         (4, "10gbit")}
 
 
-def rank_file(rank, window, steps=4, tx=1e9, stats=None):
+def rank_file(rank, window, steps=4, tx=1e9, stats=None, start=100.0):
     r = {"rank": rank, "steps": steps, "window_s": window, "host": f"host{rank}",
+         "start_s": start, "end_s": start + window,
          "step_times_s": [window / steps] * steps, "first_step_s": 9.0, "tx_bytes": tx,
          "rx_bytes": tx, "affinity_cpus": 2, "loadavg": 1.5}
     if stats:
@@ -92,12 +94,15 @@ def rank_file(rank, window, steps=4, tx=1e9, stats=None):
 
 
 def test_aggregate_counts_all_samples_over_the_slowest_rank():
-    out = suite.aggregate([rank_file(1, 8.0, tx=2e9), rank_file(0, 4.0)], batch=32)
+    out = runner.aggregate([rank_file(1, 8.0, tx=2e9, start=101.0), rank_file(0, 4.0)],
+                           batch=32)
     assert out["samples_per_s"] == pytest.approx(2 * 32 * 4 / 8.0)  # the slowest rank's time
+    # latest end (109) minus earliest start (100)
+    assert out["span_samples_per_s"] == pytest.approx(2 * 32 * 4 / 9.0)
     assert out["step_s"] == pytest.approx(2.0)
     assert out["tx_bytes_per_step"] == [2.5e8, 5e8]
     assert out["hosts"] == ["host0", "host1"]
-    with_stats = suite.aggregate(
+    with_stats = runner.aggregate(
         [rank_file(0, 4.0, stats={"bytes_sent": 4e8, "hidden_fraction": 0.5})], batch=32)
     assert with_stats["engine_bytes_per_step"] == 4e8 and with_stats["hidden_fraction"] == 0.5
 
@@ -154,10 +159,21 @@ def test_markdown_and_chart(tmp_path):
     assert "python -m benchmarks.suite --quick" in text
     assert "| VGG-16 head (FC, 123.6 M) | 2 hosts × 1gbit | dwbp | 32.0 | 2.000 | 4.00× |" \
         in text
-    assert "highwayhash" in text and "test cpu" in text
+    assert "test cpu" in text
     assert "5.00× (goal ≥ 5×: met)" not in text  # the best is sfb, 6.25×
     assert "6.25× (goal ≥ 5×: met)" in text
     assert "not available: why" in text
+    # Written into docs/benchmarks.md, the block replaces the previous results and keeps the
+    # hand-written rest (the method, why Horovod is not compared).
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nintro\n\n{report.BEGIN}\nold results\n{report.END}\n\n"
+                   "## Horovod\n\nhighwayhash\n")
+    report.write_markdown(run, str(doc))
+    written = doc.read_text()
+    assert written.startswith("# Benchmarks\n\nintro\n\n" + text.rstrip("\n"))
+    assert written.endswith("\n\n## Horovod\n\nhighwayhash\n") and "old results" not in written
+    report.write_markdown(run, str(tmp_path / "new.md"))  # no document yet: title and block
+    assert (tmp_path / "new.md").read_text().endswith(text)
     pytest.importorskip("matplotlib")
     report.chart(run, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
@@ -170,9 +186,9 @@ def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
         raise NotImplementedError("PoseidonStrategy: a feature is not implemented yet")
 
     monkeypatch.setattr(tf_poseidon, "PoseidonStrategy", not_yet, raising=False)
-    worker.main(["--kind", "poseidon", "--model", "tiny", "--name", "x", "--out",
-                 str(tmp_path), "--options", '{"mode": "ssp", "staleness": 2}'])
-    written = json.loads((tmp_path / "x.rank0.json").read_text())
+    worker.main(["--kind", "poseidon", "--model", "tiny", "--out", str(tmp_path), "--options",
+                 '{"mode": "ssp", "staleness": 2}'])
+    written = json.loads((tmp_path / "rank0.json").read_text())
     assert written["status"] == "not available"
     assert written["message"] == "PoseidonStrategy: a feature is not implemented yet"
 
@@ -180,11 +196,12 @@ def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
 @pytest.mark.multirank
 def test_tiny_unshaped_run_end_to_end(tmp_path):
     """One step of the tiny model on loopback: reference, MWMS and tf_poseidon DWBP."""
-    # Run as a file, as CI's installed-package test run needs: the suite and its ranks then
-    # import the same tf_poseidon as this test process.
+    # `python -m benchmarks.suite` as users run it, but from a directory that holds only the
+    # benchmarks package: the suite and its ranks then import the same tf_poseidon as this
+    # test process (the installed one in CI's installed-package run, not the checkout's).
+    (tmp_path / "benchmarks").symlink_to(os.path.join(ROOT, "benchmarks"))
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "suite.py"), "--no-netns",
-         "--models", "tiny",
+        [sys.executable, "-m", "benchmarks.suite", "--no-netns", "--models", "tiny",
          "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
          "1", "--timeout", "240", "--out", str(tmp_path), "--json",
          str(tmp_path / "run.json"), "--logs", str(tmp_path / "logs")],

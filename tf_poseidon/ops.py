@@ -161,7 +161,7 @@ class CompositeOps:
     """The four contracts in stock TensorFlow ops (cast/reshape/concat, split/reshape/cast, ...).
 
     The fallback when the compiled kernels are unavailable, and the baseline of
-    benchmarks/bench_ops.py. Same results up to float summation order; bad inputs raise
+    benchmarks/kernels.py. Same results up to float summation order; bad inputs raise
     TensorFlow's own errors of the underlying ops.
     """
 

@@ -1,0 +1,119 @@
+"""EASGD's communication and throughput against sync mode; async EASGD with a slow rank
+(docs/easgd.md).
+
+    python -m benchmarks.easgd [--hosts 2] [--bandwidth 1gbit] [--repeats 1] [--taus 1 4 16]
+                               [--slow-repeats 3] [--slow-kind sleep|spin] [--width 1024]
+                               [--layers 4] [--batch 64] [--warmup 4] [--steps 48]
+
+On emulated hosts Keras fit trains an MLP in sync mode and in both EASGD forms for each τ
+(α = 0.9/hosts). Per configuration and rank: bytes sent per step of fit (the engine's records,
+and async EASGD's exchange counters, rank 0's with the center holder's replies), its mean step
+and samples/s over its own timed steps, and the throughput against sync mode with every
+gradient all-reduced (sfb="never"; the defaults are shown too). Then async EASGD (τ = the
+middle one of --taus) runs with one rank slowed 3× — it waits twice its unslowed mean step
+before each step — once the last rank and once rank 0, which also holds the center, in
+--slow-repeats rounds that each also run it unslowed; the other ranks' samples/s are compared
+with the same round's unslowed run (goal: ≥ 0.90). The same slowdown under sync mode and
+synchronous EASGD shows what waiting for the slowest rank costs. With --repeats R a row shows
+the run whose slowest rank is the median. A benchmark, not a test.
+"""
+
+import statistics
+import sys
+
+from benchmarks import runner
+
+
+def per_rank(result: dict) -> list[dict]:
+    """Each rank's own figures: bytes sent per step of fit, mean step, samples/s."""
+    out = []
+    for r in result["per_rank"]:
+        sent, mode = r["engine_bytes_sent"], r.get("mode_stats") or {}
+        if mode.get("form") == "async":
+            sent += mode["bytes_sent"] + mode.get("served", {}).get("bytes_sent", 0)
+        out.append({"rank": r["rank"], "bytes_sent_per_step": sent / (r["warmup"] + r["steps"]),
+                    "mean_step_s": r["window_s"] / r["steps"],
+                    "samples_per_s": r["steps"] * r["batch"] / r["window_s"]})
+    return out
+
+
+def measure(args, bench: runner.Bench) -> dict:
+    size, rows = args.hosts, []
+    alpha = round(0.9 / size, 3)
+    sync, easgd = {"mode": "sync", "sfb": "never"}, {"mode": "easgd", "alpha": alpha}
+
+    def run(name: str, options: dict, slowed: int | None = None, delay: float = 0.0):
+        slow = {} if slowed is None else {"straggler": slowed, "delay": f"{delay:.4f}"} | (
+            {"spin": True} if args.slow_kind == "spin" else {})
+        job = runner.Job("poseidon", size, runner.model_args(args) | slow, options)
+        runs = sorted(map(per_rank, bench.repeat(cluster, {name: job}, args.repeats)[name]),
+                      key=lambda ranks: min(r["samples_per_s"] for r in ranks))
+        rows.append({"name": name, "ranks": runs[len(runs) // 2]})
+        return rows[-1]["ranks"]
+
+    with bench.hosts(size, args.bandwidth) as cluster:
+        base = run("sync (sfb=never: every gradient all-reduced)", sync)
+        run("sync (defaults: sfb=auto)", {"mode": "sync"})
+        unslowed = {}
+        for tau in args.taus:
+            run(f"easgd tau={tau}", easgd | {"tau": tau})
+            unslowed[tau] = run(f"easgd async tau={tau}", easgd | {"tau": tau,
+                                                                  "easgd_async": True})
+        tau = args.taus[len(args.taus) // 2]
+        async_ = easgd | {"tau": tau, "easgd_async": True}
+        # Each round runs the unslowed job next to the slowed ones, so the machine's drifting
+        # load hits them alike; the ratio is taken within a round, then the median.
+        slow_s = {r: 2 * unslowed[tau][r]["mean_step_s"] for r in (size - 1, 0)}
+        ratios = {r: [] for r in slow_s}
+        for round_ in range(1, args.slow_repeats + 1):
+            unslowed_run = run(f"easgd async tau={tau} (round {round_})", async_)
+            for r in slow_s:
+                slowed = run(f"easgd async tau={tau}, rank {r} slowed 3x (round {round_})",
+                             async_, r, slow_s[r])
+                ratios[r].append({o["rank"]: o["samples_per_s"] / b["samples_per_s"]
+                                  for o, b in zip(slowed, unslowed_run) if o["rank"] != r})
+        last = size - 1
+        run(f"sync (sfb=never), rank {last} slowed 3x", sync, last, 2 * base[last]["mean_step_s"])
+        run(f"easgd tau={tau}, rank {last} slowed 3x", easgd | {"tau": tau}, last,
+            2 * base[last]["mean_step_s"])
+    return {"hosts": size, "bandwidth": args.bandwidth, "alpha": alpha, "tau": tau,
+            "slow_kind": args.slow_kind, "rows": rows, "slow_s": slow_s, "ratios": ratios}
+
+
+def table(results: dict) -> list[str]:
+    rate = lambda ranks, f: f(r["samples_per_s"] for r in ranks)
+    base = results["rows"][0]["ranks"]
+    column = lambda ranks, key, fmt, scale=1: " / ".join(f"{r[key] / scale:{fmt}}" for r in ranks)
+    lines = [f"{results['hosts']} emulated hosts at {results['bandwidth']}, alpha = "
+             f"{results['alpha']}, slowdown by {results['slow_kind']}", "",
+             "| configuration | MB sent per step (per rank) | mean step (s) per rank | "
+             "samples/s per rank | all ranks' samples/s vs sync | slowest rank vs sync |",
+             "|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        ranks = row["ranks"]
+        lines.append(f"| {row['name']} | {column(ranks, 'bytes_sent_per_step', '.2f', 1e6)} | "
+                     f"{column(ranks, 'mean_step_s', '.3f')} | "
+                     f"{column(ranks, 'samples_per_s', '.1f')} | "
+                     f"{rate(ranks, sum) / rate(base, sum):.2f} | "
+                     f"{rate(ranks, min) / rate(base, min):.2f} |")
+    lines += ["", f"Async EASGD, tau={results['tau']}, one rank slowed 3x: each other rank's "
+              "samples/s in the slowed run as a fraction of its samples/s in the same round's "
+              "unslowed run; median over the rounds, then every round (goal >= 0.90)", "",
+              "| slowed rank | added per step (s) | other ranks: slowed / unslowed, median "
+              "(rounds) |", "|---|---|---|"]
+    for r, rounds in results["ratios"].items():
+        kept = [f"rank {o}: {statistics.median(x[o] for x in rounds):.2f} ("
+                + ", ".join(f"{x[o]:.2f}" for x in rounds) + ")" for o in sorted(rounds[0])]
+        lines.append(f"| {r}{' (holds the center)' if str(r) == '0' else ''} | "
+                     f"{results['slow_s'][r]:.3f} | " + "; ".join(kept) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    return runner.feature_main(argv, __doc__, measure, table, choices={"slow_kind": [
+        "sleep", "spin"]}, hosts=2, bandwidth="1gbit", repeats=1, taus=[1, 4, 16],
+        slow_repeats=3, slow_kind="sleep", width=1024, layers=4, batch=64, warmup=4, steps=48)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""Runs benchmark jobs: the hosts, the launch of every rank of benchmarks/worker.py, the ranks'
+result files, repeats and timeouts; and the command line of the per-feature benchmarks.
+
+Hosts (:func:`hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
+links shaped with tc, real multi-host ``mpirun`` over TCP; needs root) or :class:`Loopback`
+(``--no-netns``, or where namespaces cannot be built): the ranks unshaped on this machine.
+Both are context managers whose exit kills what they started.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MWMS_PORT = 23456  # each emulated host has its own network namespace, so one port for all
+RANK_ENV = {"TF_NUM_INTRAOP_THREADS": "1",  # one compute thread per rank (TF's own variable)
+            "TF_POSEIDON_INTRA_THREADS": "1",  # the same for tf_poseidon's placement
+            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+class Loopback:
+    """EmulatedCluster's interface for ``ranks`` unshaped processes on this machine."""
+
+    def __init__(self, ranks: int):
+        self.hosts, self._procs = ["localhost"] * ranks, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def mpirun_args(self, slots_per_host: int = 1) -> list[str]:
+        from tf_poseidon.launcher import find_mpirun
+        return [find_mpirun(), *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+                "-np", str(len(self.hosts)), "--oversubscribe", "--bind-to", "none"]
+
+    def launcher_args(self, slots_per_host: int = 1) -> list[str]:
+        return ["-np", str(len(self.hosts))]
+
+    def run(self, argv: list[str], *, timeout: float, env: dict) -> subprocess.CompletedProcess:
+        """Runs ``argv`` (its own process group) to its exit; on timeout kills the group and
+        raises TimeoutExpired with the output so far."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **env}, start_new_session=True)
+        self._procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.__exit__()
+            raise subprocess.TimeoutExpired(argv, timeout, *proc.communicate()) from None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def hosts(ranks: int, bandwidth: str | None, emulate: bool, shared_lo: bool = False):
+    """Where a job of ``ranks`` ranks runs (use with ``with``): ``ranks`` emulated hosts at
+    ``bandwidth`` (a tc rate; None: unshaped), with ``shared_lo`` one namespace's shaped ``lo``
+    (ShapedLoopback), or without ``emulate`` the unshaped :class:`Loopback`."""
+    if not emulate:
+        return Loopback(ranks)
+    from tf_poseidon.testing import EmulatedCluster, ShapedLoopback
+    return ShapedLoopback(bandwidth) if shared_lo else EmulatedCluster(ranks, bandwidth)
+
+
+def emulation(no_netns: bool) -> tuple[bool, str]:
+    """(emulate?, what the hosts are, for the report): EmulatedCluster where possible."""
+    from tf_poseidon.testing import available
+    ok, why = (False, "--no-netns given") if no_netns else available()
+    return ok, ("tf_poseidon.testing.EmulatedCluster (docs/cluster.md): one network namespace "
+                "per rank, both directions of every link shaped with `tc tbf rate <bandwidth> "
+                "burst 1mb latency 50ms`, real multi-host `mpirun`, TCP over `eth0`; all hosts "
+                "share this machine's cores." if ok else
+                f"{why}: all ranks on this machine's loopback, UNSHAPED (no bandwidth limit, no "
+                "per-host wire bytes): the figures do not describe a cluster.")
+
+
+def rank_env() -> dict[str, str]:
+    """RANK_ENV, and a PYTHONPATH under which the ranks import the driver's tf_poseidon (the
+    checkout's if the driver imported that one; else the user's PYTHONPATH as it is)."""
+    import tf_poseidon
+    path = os.environ.get("PYTHONPATH", "")
+    if os.path.dirname(os.path.dirname(os.path.abspath(tf_poseidon.__file__))) == ROOT and \
+            ROOT not in path.split(os.pathsep):
+        path = os.pathsep.join(filter(None, [ROOT, path]))
+    return RANK_ENV | ({"PYTHONPATH": path} if path else {})
+
+
+@dataclasses.dataclass
+class Job:
+    """``ranks`` processes of benchmarks/worker.py ``--kind kind`` with the worker flags
+    ``args`` (name → value, a list for several, True for a bare flag) and, for "poseidon",
+    the strategy's keyword arguments ``options``. ``launch``: "launcher" (tfposeidon-run; the
+    default for poseidon), "mpirun" (the default for several ranks) or "process";
+    ``bind_to`` replaces mpirun's ``--bind-to none``."""
+
+    kind: str
+    ranks: int
+    args: dict = dataclasses.field(default_factory=dict)
+    options: dict | None = None
+    launch: str | None = None
+    bind_to: str = "none"
+
+
+def command(job: Job, cluster, out: str) -> list[str]:
+    """The argv that runs ``job`` on ``cluster``'s first host, the ranks writing into ``out``."""
+    worker = [sys.executable, os.path.join(ROOT, "benchmarks", "worker.py"), "--kind", job.kind,
+              "--out", out]
+    for key, value in job.args.items():
+        values = [] if value is True else value if isinstance(value, list) else [value]
+        worker += [f"--{key.replace('_', '-')}", *map(str, values)]
+    hosts = cluster.hosts if not isinstance(cluster, Loopback) and len(cluster.hosts) > 1 else []
+    worker += ["--nic", "eth0"] if hosts else []
+    worker += ["--options", json.dumps(job.options)] if job.options is not None else []
+    launch = job.launch or ("launcher" if job.kind == "poseidon" else
+                            "mpirun" if job.ranks > 1 else "process")
+    slots = max(1, job.ranks // len(cluster.hosts))
+    if launch != "mpirun":
+        return worker if launch == "process" else [
+            sys.executable, "-m", "tf_poseidon.launcher", *cluster.launcher_args(slots), *worker]
+    mpirun = cluster.mpirun_args(slots)
+    mpirun[mpirun.index("--bind-to") + 1] = job.bind_to
+    if job.kind == "mwms":  # host:port of every worker, in rank order (mpirun's placement)
+        worker += ["--peers", ",".join(f"{cluster.addresses[h]}:{MWMS_PORT}" for h in hosts)
+                   or ",".join(f"127.0.0.1:{free_port()}" for _ in range(job.ranks)),
+                   "--peer-hosts", ",".join(hosts)]
+    return [*mpirun, *[x for var in ["PATH", *rank_env()] for x in ("-x", var)], *worker]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(job: Job, cluster, timeout: float, logs: str | None = None, say=None) -> dict:
+    """Runs ``job`` on ``cluster`` to its end or its timeout (blocking); returns ``{"status":
+    "ok" | "not available" | "failed" | "timed out", "message", "per_rank": the ranks' result
+    dicts in rank order, "wall_s", "log"}``. The log and the ranks' files go into a new
+    directory under ``logs``; ``say`` shows rank 0's progress lines while the job runs.
+    KeyboardInterrupt passes through (the cluster's exit ends the job)."""
+    out = tempfile.mkdtemp(prefix=f"{job.kind}-{job.args.get('model', '')}-", dir=logs)
+    argv, outcome, shown, alive, start = command(job, cluster, out), {}, 0, True, time.monotonic()
+
+    def target():
+        try:
+            outcome["done"] = cluster.run(argv, timeout=timeout, env=rank_env())
+        except BaseException as e:  # raised again by the calling thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    while alive:
+        thread.join(1.0)
+        alive = thread.is_alive()  # before reading the progress: no last line is missed
+        progress = _lines(os.path.join(out, "progress"))
+        for line in progress[shown:] if say else []:
+            say(f"      {line}")
+        shown = len(progress)
+    done, error = outcome.get("done"), outcome.get("error")
+    if error is not None and not isinstance(error, subprocess.TimeoutExpired):
+        raise error
+    log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                  for x in ((done or error).stdout, (done or error).stderr))
+    with open(os.path.join(out, "log"), "w") as f:
+        f.write(shlex.join(argv) + "\n\n" + log)
+    files = [os.path.join(out, f"rank{r}.json") for r in range(job.ranks)]
+    per_rank = [json.load(open(p)) for p in files if os.path.exists(p)]
+    unavailable = [r["message"] for r in per_rank if r["status"] == "not available"]
+    status, message = ("ok", "") if done and done.returncode == 0 and len(per_rank) == \
+        job.ranks else ("failed", f"exit {done and done.returncode}, {len(per_rank)}/"
+                                  f"{job.ranks} ranks reported; {error_line(log)}")
+    if error is not None:
+        status, message = "timed out", f"no result within {timeout:g} s; last progress: " + (
+            _lines(os.path.join(out, "progress")) or ["none (did not start training)"])[-1]
+    elif unavailable:
+        status, message = "not available", unavailable[0]
+    return {"status": status, "message": message, "per_rank": per_rank,
+            "wall_s": time.monotonic() - start, "log": os.path.join(out, "log")}
+
+
+def _lines(path: str) -> list[str]:
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().splitlines()
+    return []
+
+
+def error_line(log: str) -> str:
+    """A failed job's most telling output line: the first Python exception line (the rank
+    that failed first prints it first), else the last line mentioning an error or a kill,
+    else the last line; TensorFlow's start-up chatter is skipped."""
+    lines = [line.strip() for line in log.splitlines() if line.strip() and not re.search(
+        "absl::InitializeLog|oneDNN custom operations|cpu_feature_guard|To enable the", line)]
+    raised = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|Exit)\b.*:", line)]
+    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception)\b|Killed|ABORT", line)]
+    return (raised[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
+
+
+def aggregate(per_rank: list[dict], batch: int) -> dict:
+    """A training job's figures from its ranks' results: ``samples_per_s`` of all ranks (all
+    timed samples over the slowest rank's window: a rank running ahead, as SSP and EASGD allow,
+    counts for no more than the job finishes), ``span_samples_per_s`` (the same samples over
+    the latest end minus the earliest start: one machine's monotonic clock), the slowest rank's
+    step, wire bytes per timed step per host, and tf_poseidon's bytes per step (the busiest
+    rank's) and overlapped share of communication (the ranks' mean)."""
+    per_rank = sorted(per_rank, key=lambda r: r["rank"])
+    slowest = max(per_rank, key=lambda r: r["window_s"])
+    samples = sum(batch * r["steps"] for r in per_rank)
+    stats = [r["poseidon_stats"] for r in per_rank if r.get("poseidon_stats")]
+    hidden = [s["hidden_fraction"] for s in stats if s.get("hidden_fraction") is not None]
+    return {"samples_per_s": samples / slowest["window_s"],
+            "span_samples_per_s": samples / (max(r["end_s"] for r in per_rank)
+                                             - min(r["start_s"] for r in per_rank)),
+            "step_s": slowest["window_s"] / slowest["steps"],
+            "step_median_s": statistics.median_low(slowest["step_times_s"]),
+            "steps": per_rank[0]["steps"], "hosts": [r["host"] for r in per_rank],
+            "loadavg": max(r["loadavg"] for r in per_rank),
+            **{f"{d}_bytes_per_step": [r[f"{d}_bytes"] / r["steps"] if f"{d}_bytes" in r
+                                       else None for r in per_rank] for d in ("tx", "rx")},
+            **({"engine_bytes_per_step": max((s["bytes_sent"] for s in stats
+                                              if s.get("bytes_sent") is not None), default=None),
+                "hidden_fraction": statistics.fmean(hidden) if hidden else None}
+               if stats else {})}
+
+
+class Bench:
+    """What a per-feature benchmark measures with: where its ranks run, the timeout per job,
+    the logs directory and ``say`` for progress."""
+
+    def __init__(self, emulate: bool, timeout: float, logs: str, say=print):
+        self.emulate, self.timeout, self.logs, self.say = emulate, timeout, logs, say
+
+    def hosts(self, ranks: int, bandwidth: str | None = None, **kwargs):
+        return hosts(ranks, None if bandwidth == "none" else bandwidth, self.emulate, **kwargs)
+
+    def repeat(self, cluster, jobs: dict[str, Job], repeats: int = 1) -> dict[str, list[dict]]:
+        """Every job ``repeats`` times, interleaved (A, B, A, B, ...) so that a drift of the
+        machine's speed hits all alike (blocking): per job name, its results (:func:`run`
+        with the :func:`aggregate` figures of a training job). Raises RuntimeError, naming the
+        log, for a job that did not succeed: a per-feature table needs every figure."""
+        runs: dict[str, list[dict]] = {name: [] for name in jobs}
+        for _ in range(repeats):
+            for name, job in jobs.items():
+                r = run(job, cluster, self.timeout, self.logs)
+                if r["status"] != "ok":
+                    raise RuntimeError(f"{name}: {r['status']}: {r['message']} ({r['log']})")
+                if "steps" in r["per_rank"][0]:
+                    r.update(aggregate(r["per_rank"], job.args.get("batch", 32)))
+                runs[name].append(r)
+                self.say(f"{name}: {r['wall_s']:.0f} s" + (f", {r['step_s']:.3f} s/step" if
+                         "step_s" in r else "") + f", load {os.getloadavg()[0]:.1f}")
+        return runs
+
+
+def feature_main(argv, doc: str, measure, table, emulated: bool = True,
+                 choices: dict | None = None, **defaults) -> int:
+    """The command line of a per-feature benchmark (``doc``: its docstring, whose first two
+    paragraphs are the description and the usage): the common options, one per ``defaults``
+    entry (a list: one or more values; False: a bare flag) with ``choices`` (name → allowed
+    values); ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
+    ``table(results) -> lines``, printed (``--from-json``: of saved results, measuring
+    nothing). Not ``emulated``: the ranks always run on this machine."""
+    description, usage = doc.split("\n\n")[:2]
+    p = argparse.ArgumentParser(description=description, usage=usage.strip(),
+                                allow_abbrev=False)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    p.add_argument("--logs", help="directory for the jobs' logs (default: a new one in /tmp)")
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--from-json", help="print the table of an earlier --json file")
+    for name, value in (defaults | ({"no_netns": False} if emulated else {})).items():
+        many, flag = isinstance(value, list), f"--{name.replace('_', '-')}"
+        if value is False:
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=type(value[0] if many else value), default=value,
+                           nargs="+" if many else None, choices=(choices or {}).get(name))
+    args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+    else:
+        emulate, where = emulation(args.no_netns) if emulated else (False, "this machine")
+        if not emulate and hasattr(args, "bandwidth"):  # what the tables say of the links
+            args.bandwidth = ["none"] if isinstance(args.bandwidth, list) else "none"
+        logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=args.logs)
+        print(f"Hosts: {where}\nLogs: {logs}\nLoad average: {os.getloadavg()[0]:.1f}", flush=True)
+        results = measure(args, Bench(emulate, args.timeout, logs, lambda t: print(t, flush=True)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\n" + "\n".join(table(results)))
+    return 0
+
+
+def model_args(args) -> dict:
+    """The worker flags of a per-feature benchmark's model options (an MLP by default)."""
+    keys = ("model", "width", "layers", "batch", "warmup", "steps")
+    return {"model": "mlp"} | {k: getattr(args, k) for k in keys if hasattr(args, k)}
