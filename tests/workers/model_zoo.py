@@ -135,7 +135,7 @@ def bn_cnn():
     stem = conv_bn(inputs)
     block = conv_bn(conv_bn(stem), activate=False)
     x = keras.layers.Activation("swish")(keras.layers.Add()([stem, block]))
-    x = keras.layers.Flatten()(keras.layers.AveragePooling2D()(x))
+    x = keras.layers.Flatten()(keras.layers.AveragePooling2D(2)(x))
     model = keras.Model(inputs, keras.layers.Dense(10, name="digit")(x))
     model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
