@@ -16,8 +16,11 @@ import inspect
 import warnings
 
 from tf_poseidon.algorithms.base import Algorithm
+from tf_poseidon.registry import Registry
 
-_REGISTRY: dict[str, type[Algorithm]] = {}
+_REGISTRY: Registry[type[Algorithm]] = Registry(
+    "algorithm", lambda cls: isinstance(cls, type) and issubclass(cls, Algorithm),
+    "an Algorithm subclass")
 
 FORMER_DEFAULTS = {"staleness": 0, "tau": 1, "alpha": 0.5, "easgd_async": False}
 """Knob values ``PoseidonStrategy``'s keyword form passed for every mode before algorithms
@@ -29,20 +32,12 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 
     Raises ValueError if the name is empty or taken by another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise TypeError(f"tf_poseidon.algorithms.register takes an Algorithm subclass, got "
-                        f"{cls!r}")
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} needs a class attribute 'name' to be registered")
-    if _REGISTRY.get(cls.name, cls) is not cls:
-        raise ValueError(f"an algorithm named {cls.name!r} is registered already")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.register(cls)
 
 
 def names() -> tuple[str, ...]:
     """The registered ``mode=`` names, built-in ones first."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def knobs(cls: type[Algorithm]) -> tuple[str, ...]:
@@ -59,15 +54,15 @@ def from_mode(mode: str, **options) -> Algorithm:
     invalid knob value (the algorithm's own message), or staleness > 0 outside mode="ssp";
     warns of another mode's knob, which it ignores.
     """
-    if mode not in _REGISTRY:
+    cls = _REGISTRY.get(mode)
+    if cls is None:
         raise ValueError(f"PoseidonStrategy: mode={mode!r} is not valid; allowed values are "
-                         + ", ".join(repr(n) for n in _REGISTRY) + ".")
-    cls = _REGISTRY[mode]
+                         + ", ".join(repr(n) for n in names()) + ".")
     own = {k: v for k, v in options.items() if k in knobs(cls)}
     for name, value in options.items():
         if name in own:
             continue
-        owner = next((other for other in _REGISTRY.values() if name in knobs(other)), None)
+        owner = next((other for other in _REGISTRY.entries() if name in knobs(other)), None)
         if owner is None:
             raise ValueError(f"PoseidonStrategy: unknown argument {name}={value!r}; the "
                              f"options of mode={mode!r} are "

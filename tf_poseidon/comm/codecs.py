@@ -38,6 +38,7 @@ import numpy as np
 
 from tf_poseidon import host_kernels
 from tf_poseidon.comm import collectives
+from tf_poseidon.registry import Registry
 
 FP16_MAX = 65504.0
 FP16_LIMIT = FP16_MAX / 4  # headroom below fp16's largest value for the rounding of the sums
@@ -252,25 +253,19 @@ def _bytes(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint8)
 
 
-_REGISTRY: dict[str, Codec] = {}
+_REGISTRY: Registry[Codec] = Registry("codec", lambda c: isinstance(c, Codec),
+                                      "a Codec instance")
 
 
 def register(codec: Codec) -> Codec:
     """Makes ``codec`` available by its name (``PoseidonStrategy(compression=codec.name)``);
     returns it. Raises ValueError if the name is empty or taken by another codec."""
-    if not isinstance(codec, Codec):
-        raise TypeError(f"tf_poseidon.codecs.register takes a Codec instance, got {codec!r}")
-    if not isinstance(codec.name, str) or not codec.name:
-        raise ValueError(f"codec {codec!r} needs a non-empty name to be registered")
-    if _REGISTRY.get(codec.name, codec) is not codec:
-        raise ValueError(f"a codec named {codec.name!r} is registered already")
-    _REGISTRY[codec.name] = codec
-    return codec
+    return _REGISTRY.register(codec)
 
 
 def names() -> tuple[str, ...]:
     """The registered codec names, built-in ones first."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get(codec: "str | Codec") -> Codec:
@@ -280,10 +275,11 @@ def get(codec: "str | Codec") -> Codec:
     """
     if isinstance(codec, Codec):
         return codec
-    if isinstance(codec, str) and codec in _REGISTRY:
-        return _REGISTRY[codec]
+    registered = _REGISTRY.get(codec)
+    if registered is not None:
+        return registered
     raise ValueError(f"PoseidonStrategy: compression={codec!r} is not valid; allowed values "
-                     "are " + ", ".join(repr(n) for n in _REGISTRY) + " or a "
+                     "are " + ", ".join(repr(n) for n in names()) + " or a "
                      "tf_poseidon.codecs.Codec instance.")
 
 
