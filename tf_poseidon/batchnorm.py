@@ -86,11 +86,19 @@ def _gathered(extended, local: tf.Tensor, local_batch: tf.Tensor | None) -> tf.T
     return all_gather(local)
 
 
-def state_variables(model) -> list[tf.Variable]:
-    """The model's non-trainable float variables: the state :func:`combine_state` shares."""
+def state_variables(model, sync_batchnorm: bool) -> list[tf.Variable]:
+    """The model's non-trainable float variables that :func:`combine_state` shares: all but
+    the moving statistics of BatchNormalization layers that use global moments
+    (``synchronized=True``, or every layer with ``sync_batchnorm``), which every rank computes
+    from the same figures already (averaging them would only add rounding)."""
+    import keras
+    shared = {id(v) for layer in model._flatten_layers(include_self=False)
+              if isinstance(layer, keras.layers.BatchNormalization)
+              and (sync_batchnorm or layer.synchronized)
+              for v in layer.non_trainable_variables}
     return [v.value if hasattr(v, "value") and isinstance(v.value, tf.Variable) else v
             for v in model.non_trainable_variables
-            if tf.as_dtype(v.dtype).is_floating]
+            if tf.as_dtype(v.dtype).is_floating and id(v) not in shared]
 
 
 def combine_state(extended, variables: Sequence[tf.Variable],

@@ -324,7 +324,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         instead (at the end of ``fit``, before evaluating, predicting and saving)."""
         if not self._distributed:
             return
-        variables = batchnorm.state_variables(model)
+        variables = batchnorm.state_variables(model, self.config.sync_batchnorm)
         if self.config.algorithm.lockstep:
             batchnorm.combine_state(self, variables, local_batch)
         else:
