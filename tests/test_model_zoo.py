@@ -6,9 +6,6 @@ two-output model, and one process for the references. Every comparison is at the
 batch over 10+ steps: weights (trainable and non-trainable), evaluate's results, predict's
 outputs and the outputs of the SavedModel tp.export_for_serving wrote.
 
-Marked xfail (strict): the one case that needs what is not there yet (per-output loss metrics
-of an uneven global batch in evaluate; docs/synchronization.md). When it lands, strict makes it
-fail as XPASS, and the mark must go.
 """
 
 import glob
@@ -31,10 +28,6 @@ TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-fp16", "bn_cnn-ssp", "bn_cnn-easgd",
        "transformer-easgd", "rnn-sync", "wide_deep-sync", "mp_cnn-sync", "accum-sync",
        "two_io-sync"]
 THREE = ["transformer-sync", "rnn-sync", "two_io-sync"]
-
-
-def needs(feature):
-    return pytest.mark.xfail(strict=True, reason=f"needs {feature}")
 
 
 def train(tmp_path_factory, ranks, entries):
@@ -103,6 +96,8 @@ def assert_equals_one_process(jobs, entry, ranks, reference_entry, keys, export=
 EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
          ("wide_deep-sync", 2), ("two_io-sync", 2),
          ("transformer-sync", 3), ("rnn-sync", 3), ("two_io-sync", 3)]
+
+
 @pytest.mark.parametrize("entry,ranks", EXACT + [("accum-sync", 2), ("bn_cnn-sbn", 2)])
 def test_sync_training_equals_one_process(jobs, entry, ranks):
     # Weights, the History's loss, predict and the export. sfb only changes how gradients
@@ -113,14 +108,7 @@ def test_sync_training_equals_one_process(jobs, entry, ranks):
                               COMPARED + outputs(reference, "predict_"), export=True)
 
 
-PER_OUTPUT_LOSSES = needs(
-    "per-output loss metrics (kind_loss, size_loss) weighted by each rank's share of an uneven "
-    "global batch: Keras gives every local batch weight 1")
-
-
-@pytest.mark.parametrize("entry,ranks", [c for c in EXACT if c != ("two_io-sync", 3)] + [
-    pytest.param("two_io-sync", 3, marks=PER_OUTPUT_LOSSES), ("accum-sync", 2),
-    ("bn_cnn-sbn", 2)])
+@pytest.mark.parametrize("entry,ranks", EXACT + [("accum-sync", 2), ("bn_cnn-sbn", 2)])
 def test_evaluate_equals_one_process(jobs, entry, ranks):
     name, _ = entry.split("-")
     assert_equals_one_process(jobs, entry, ranks, f"{name}-sync", ["evaluation"])

@@ -2,7 +2,7 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-fifteen Keras functions; each wrapper acts only when the current strategy is a
+sixteen Keras functions; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
@@ -30,6 +30,10 @@ original unchanged:
   global_batch_size=B)`` is exact as it is) and get plain sums. At the end of the step the
   model's non-trainable state (BatchNormalization's moving statistics) is made equal on every
   rank (``strategy.extended.synchronize_state``; batchnorm.py);
+* ``CompileLoss.call``: the per-output loss metrics of a model with several outputs, which Keras
+  records with weight 1 per batch of unknown size, are weighted by each rank's share of the
+  global batch (one tiny all-reduce of the row counts per step), so evaluate and History show
+  one process's values also on an uneven batch;
 * ``BatchNormalization._moments`` uses the global batch's statistics (batchnorm.global_moments)
   for layers built with ``synchronized=True`` and for every layer under
   ``PoseidonStrategy(sync_batchnorm=True)``;
@@ -89,6 +93,7 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
+from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter
 
@@ -205,6 +210,47 @@ def _scaled(grad, factor: tf.Tensor):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(_scaled(grad.values, factor), grad.indices, grad.dense_shape)
     return tf.math.multiply_no_nan(grad, tf.cast(factor, grad.dtype))
+
+
+def _compile_loss_call(original):
+    def wrapper(self, y_true, y_pred, sample_weight=None):
+        extended = _poseidon_extended()
+        context = tf.distribute.get_replica_context()
+        first = next((t for t in tree.flatten(y_pred) if t is not None), None)
+        if (extended is None or context is None or not self.metrics or first is None
+                or first.shape[0] is not None):
+            return original(self, y_true, y_pred, sample_weight)
+        # Keras records each output's loss with weight 1 per batch when the batch dimension is
+        # unknown (shape[0] is None), i.e. per *rank* here: each rank's record is weighted by
+        # its share of the global batch instead (one tiny all-reduce of the row counts), so
+        # that an uneven batch's ranks together weigh what one process's batch weighs.
+        rows = tf.cast(tf.shape(first)[0], tf.float32)
+        total = extended.sum_over_ranks([tf.reshape(rows, [1])], "loss_rows")[0][0]
+        share = tf.math.divide_no_nan(rows * extended._num_replicas_in_sync, total)
+        with _weighted_updates(self.metrics, share):
+            return original(self, y_true, y_pred, sample_weight)
+    return wrapper
+
+
+@contextlib.contextmanager
+def _weighted_updates(metrics, weight: tf.Tensor):
+    """Within it, ``update_state`` of each of ``metrics`` called without a sample weight uses
+    ``weight`` (instance attributes shadowing the method, removed on exit)."""
+    def weighted(metric):
+        update = type(metric).update_state
+
+        def update_state(values, sample_weight=None):
+            return update(metric, values,
+                          sample_weight=weight if sample_weight is None else sample_weight)
+        return update_state
+
+    for metric in metrics:
+        metric.update_state = weighted(metric)
+    try:
+        yield
+    finally:
+        for metric in metrics:
+            del metric.update_state
 
 
 def _batchnorm_moments(original):
@@ -388,6 +434,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
+    _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
