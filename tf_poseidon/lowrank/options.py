@@ -37,7 +37,8 @@ class PowerSGD:
         low-rank are summed exactly (PyTorch's ``start_powerSGD_iter``): the first steps are the
         most sensitive to approximate gradients.
       min_compression: a matrix is compressed only if m·n / ((m + n)·r) is at least this
-        (PyTorch's ``min_compression_rate``); others, and vectors, are all-reduced.
+        (PyTorch's ``min_compression_rate``); others, and vectors, are all-reduced. Below 1,
+        matrices that low-rank sends in more bytes than all-reduce qualify too.
       choice: "auto" — the per-layer cost model picks low-rank for a matrix when its estimated
         time is the lowest of the layer's protocols (all-reduce, SFB, low-rank) at the measured
         or given bandwidth; "always" — every matrix that meets ``min_compression``.
@@ -55,10 +56,11 @@ class PowerSGD:
             raise ValueError(f"tp.PowerSGD: start_step={start_step!r} is not valid; it must be "
                              "an integer >= 0 (the steps summed exactly before compressing).")
         if (isinstance(min_compression, bool) or not isinstance(min_compression, (int, float))
-                or not 1.0 <= min_compression < math.inf):
+                or not 0.0 < min_compression < math.inf):
             raise ValueError(f"tp.PowerSGD: min_compression={min_compression!r} is not valid; "
-                             "it must be a number >= 1 (m·n / ((m+n)·rank) a matrix must reach "
-                             "to be compressed).")
+                             "it must be a positive number (m·n / ((m+n)·rank) a matrix must "
+                             "reach to be compressed; below 1, low-rank may send more than "
+                             "all-reduce).")
         if choice not in CHOICES:
             raise ValueError(f"tp.PowerSGD: choice={choice!r} is not valid; allowed values are "
                              + ", ".join(repr(c) for c in CHOICES) + ".")

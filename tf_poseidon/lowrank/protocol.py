@@ -6,18 +6,20 @@ the payload is float32 ``[G_1, ..., G_L, c]`` — the members' gradients as the 
 them (sync: weighted by this rank's batch share, c its example count; c = 1 unweighted) — and
 the result, one piece per member, is the low-rank sum in the same units.
 
-``run`` for one bucket, with residual R (kept per rank and member, in the units of the applied
-update) and Q [n, r] (kept per member, equal on every rank):
+``run`` for one bucket, with residual S (kept per rank and member, in the payload's units) and
+Q [n, r] (kept per member, equal on every rank):
 
-1. X = G + c·R; Q̂ = orthonormalize(Q); P = X·Q̂ (members still in warm-up: X itself);
+1. X = G + S; Q̂ = orthonormalize(Q); P = X·Q̂ (members still in warm-up: X itself);
 2. round 1: P summed over ranks through the codec (with Σc, exactly);
 3. P̂ = orthonormalize(ΣP) — the same bits on every rank, from the same sum;
 4. round 2: Q = Σ Xᵀ·P̂ through the codec;
-5. result A = P̂·Qᵀ, equal on every rank; w = P_ranks/Σc is the factor the algorithm scales
-   the result by, and the new residual R ← (1 − w·c)·R + w·X − (w/P_ranks)·A, so that
-   Σ_ranks R is exactly what the applied updates have missed of the exact gradients so far
-   (error feedback; with equal batch shares, w·c = 1 and R = w·(X − A/P_ranks)).
+5. result A = P̂·Qᵀ, equal on every rank, and the new residual S ← X − A/P_ranks (PyTorch's
+   error feedback: Σ_ranks S is what the applied updates have missed of the exact gradients so
+   far). The algorithm scales the result by w = P_ranks/Σc (its batch-share unweighting); when
+   w differs from the step the residual was kept at (a short last batch), S also takes
+   (w_prev/w − 1)·S_prev, so that the sum of w·S stays exactly what was missed.
 
+At full rank (r = min(m, n)) A is the exact sum and Σ_ranks S stays zero: the steps are exact.
 Q is warm-started: each step starts from the previous step's summed Q (the first from a random
 matrix seeded by the member's name, the same on every rank). A bucket whose sum is not finite
 (a NaN or Inf on some rank) returns NaN for its compressed members and leaves R and Q as they
@@ -65,8 +67,9 @@ class _MatrixState:
     """What one member keeps between steps."""
 
     q: np.ndarray | None  # [n, r], equal on every rank; None until its first compressed step
-    residual: np.ndarray | None  # [m, n], this rank's; None while zero
+    residual: np.ndarray | None  # [m, n], this rank's S; None while zero
     steps: int  # reductions of this member so far (warm-up ones included)
+    weight: float = 0.0  # the w of the step S was kept at (S·w is in the applied update's units)
 
 
 class LowRankProtocol(BucketProtocol):
@@ -143,7 +146,7 @@ class LowRankProtocol(BucketProtocol):
         for piece, j in zip(pieces, compressed):
             x, state = matrices[j], states[j]
             if state.residual is not None:
-                _axpy(x, count, state.residual)
+                np.add(x, state.residual, out=x)
             q_hats[j] = orthonormalize(state.q)
             np.matmul(x, q_hats[j], out=piece.reshape(x.shape[0], ranks[j]))
         for piece, j in zip(pieces[len(compressed):], exact):
@@ -191,7 +194,7 @@ class LowRankProtocol(BucketProtocol):
             q = q_piece.reshape(n, ranks[j])
             approx = self._scratch(x.size).reshape(m, n)
             np.matmul(p_hats[j], q.T, out=approx)
-            _update_residual(state, x, approx, count, count_sum, weight, size)
+            _update_residual(state, x, approx, weight, size)
             x[...] = approx
             state.q = q.copy()
             state.steps += 1
@@ -236,8 +239,9 @@ class LowRankProtocol(BucketProtocol):
 
     def state_arrays(self, comm) -> dict[str, np.ndarray]:
         """Engine thread, collective: the state a backup holds, as named arrays —
-        ``<name>/q``, ``<name>/steps`` and ``<name>/residual``, the residuals summed over
-        ranks (complete on rank 0 only: the others' copies lack the residuals).
+        ``<name>/q``, ``<name>/steps``, ``<name>/weight`` and ``<name>/residual``, the
+        residuals summed over ranks (complete on rank 0 only: the others' copies lack the
+        residuals).
 
         Raises RuntimeError on every rank if the ranks hold state for different members.
         """
@@ -254,6 +258,7 @@ class LowRankProtocol(BucketProtocol):
             for name, shape in layout:
                 state = self._states[name]
                 arrays[f"{name}/steps"] = np.array(state.steps, np.int64)
+                arrays[f"{name}/weight"] = np.array(state.weight, np.float64)
                 if state.q is not None:
                     arrays[f"{name}/q"] = state.q.copy()
                 if shape is not None:
@@ -265,14 +270,17 @@ class LowRankProtocol(BucketProtocol):
 
     def restore(self, arrays: Mapping[str, np.ndarray], size: int) -> None:
         """Any thread, not collective: takes the state :meth:`state_arrays` saved, on ``size``
-        ranks: Q and the step counts as saved, and each rank 1/size of the summed residuals
-        (only their sum over ranks matters to every later step). Replaces all state."""
+        ranks: Q, the step counts and weights as saved, and each rank 1/size of the summed
+        residuals (only their sum over ranks matters to every later step). Replaces all
+        state."""
         states: dict[str, _MatrixState] = {}
         for key, value in arrays.items():
             name, _, field = key.rpartition("/")
             state = states.setdefault(name, _MatrixState(None, None, 0))
             if field == "steps":
                 state.steps = int(value)
+            elif field == "weight":
+                state.weight = float(value)
             elif field == "q":
                 state.q = np.array(value, np.float32)
             elif field == "residual":
@@ -284,27 +292,25 @@ class LowRankProtocol(BucketProtocol):
             self._states = states
 
 
-def _update_residual(state: _MatrixState, x: np.ndarray, approx: np.ndarray,
-                     count: float, count_sum: float, weight: float, size: int) -> None:
-    """R ← (1 − w·c)·R + w·X − (w/P)·A in place (``x`` is X, ``approx`` A), in passes
-    without a temporary of the matrix's size."""
+def _update_residual(state: _MatrixState, x: np.ndarray, approx: np.ndarray, weight: float,
+                     size: int) -> None:
+    """S ← X − A/P + (w_prev/w − 1)·S in place (``x`` is X = G + S, ``approx`` A; ``weight``
+    this step's w), in passes without a temporary of the matrix's size."""
     if weight == 0.0:  # no rank had examples: nothing was applied
         return
     residual = state.residual
-    keep = count_sum - size * count  # (1 − w·c)·Σc: zero for equal batch shares
-    if residual is None or keep == 0.0:
-        if residual is None:
-            residual = state.residual = np.empty_like(x)
+    carried = state.weight / weight - 1.0 if residual is not None else 0.0
+    if residual is None:
+        residual = state.residual = np.empty_like(x)
+    if carried == 0.0:  # w unchanged (every step but a short last one)
         np.copyto(residual, x)
     else:
-        residual *= keep / size
+        residual *= carried
         residual += x
-    # residual = R·(Σc/P − c) + X  ==  ((1 − w·c)·R + w·X) / w;  now subtract A/P, times w.
     for start in range(0, residual.size, _BLOCK):
-        r = residual.reshape(-1)[start:start + _BLOCK]
-        a = approx.reshape(-1)[start:start + _BLOCK]
-        r -= a * (1.0 / size)
-        r *= weight
+        residual.reshape(-1)[start:start + _BLOCK] -= (
+            approx.reshape(-1)[start:start + _BLOCK] * (1.0 / size))
+    state.weight = weight
 
 
 def compute_once(x: np.ndarray, q: np.ndarray, residual: np.ndarray,
@@ -312,17 +318,7 @@ def compute_once(x: np.ndarray, q: np.ndarray, residual: np.ndarray,
     """One member's compute in a step on one rank, without the rounds (the cost model times
     it): what ``run`` does to ``x`` [m, n] with ``q`` [n, r], ``residual`` and ``approx``
     [m, n] (overwritten)."""
-    _axpy(x, 1.0, residual)
+    np.add(x, residual, out=x)
     p_hat = orthonormalize(x @ orthonormalize(q))
     np.matmul(p_hat, (x.T @ p_hat).T, out=approx)
-    _update_residual(_MatrixState(q, residual, 1), x, approx, 1.0, 2.0, 1.0, 2)
-
-
-def _axpy(y: np.ndarray, a: float, x: np.ndarray) -> None:
-    """y += a·x in place, in blocks (no temporary of y's size)."""
-    if a == 1.0:
-        np.add(y, x, out=y)
-        return
-    flat_y, flat_x = y.reshape(-1), x.reshape(-1)
-    for start in range(0, flat_y.size, _BLOCK):
-        flat_y[start:start + _BLOCK] += a * flat_x[start:start + _BLOCK]
+    _update_residual(_MatrixState(q, residual, 1, 1.0), x, approx, 1.0, 2)
