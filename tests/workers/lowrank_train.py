@@ -172,7 +172,13 @@ def resume(out):
             lowrank=tp.PowerSGD(rank=2, start_step=5, choice="always"))
         keras.utils.set_random_seed(seed + tp.rank())
         with strategy.scope():
-            model = train_digits.build_model("mlp")
+            # Named layers: the same variable paths in every run (a resumed job's new process
+            # has them too), which key the low-rank state.
+            model = keras.Sequential([
+                keras.Input((8, 8, 1)), keras.layers.Flatten(name="flat"),
+                keras.layers.Dense(128, activation="relu", name="h1"),
+                keras.layers.Dense(64, activation="relu", name="h2"),
+                keras.layers.Dense(10, name="out")], name="mlp")
             model.compile(optimizer=keras.optimizers.Adam(3e-3),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         backup = tp_callbacks.BackupAndRestore(backup_dir, save_freq=10,

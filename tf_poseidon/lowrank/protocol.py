@@ -33,6 +33,7 @@ import collections
 import dataclasses
 import threading
 import time
+import warnings
 import zlib
 from typing import Mapping, Sequence
 
@@ -90,6 +91,7 @@ class LowRankProtocol(BucketProtocol):
         self._lock = threading.Lock()  # the states: run on the engine, restore on the caller
         self._approx = np.empty(0, np.float32)  # scratch for P̂·Qᵀ, grown to the largest member
         self._compute = collections.deque(maxlen=256)  # (group id, instance, seconds)
+        self._unclaimed: set[str] = set()  # restored members no bucket has named yet
 
     # -- graph side ------------------------------------------------------------------------
 
@@ -200,9 +202,11 @@ class LowRankProtocol(BucketProtocol):
             state.steps += 1
         compute += time.perf_counter() - started
         self._compute.append((call.group_id, call.instance, compute))
-        item_bytes = tuple(
-            (sum(matrices[j].shape) * ranks[j] if j in ranks else matrices[j].size) * 4
-            for j in range(len(matrices)))
+        # The statistics split a bucket's bytes by its items' shares of the payload: shares
+        # in proportion to what each member put on the wire.
+        wire = [sum(matrices[j].shape) * ranks[j] if j in ranks else matrices[j].size
+                for j in range(len(matrices))]
+        item_bytes = tuple(round(call.payload.nbytes * w / sum(wire)) for w in wire)
         return BucketResult(result, float(sent[0]), float(sent[1]), item_bytes)
 
     def _scratch(self, size: int) -> np.ndarray:
@@ -213,7 +217,16 @@ class LowRankProtocol(BucketProtocol):
     def _state(self, name: str, m: int, n: int) -> _MatrixState:
         """``name``'s state, created on first use; checks a restored one fits [m, n]."""
         state = self._states.get(name)
+        self._unclaimed.discard(name)
         if state is None:
+            if self._unclaimed:
+                warnings.warn(
+                    f"tf_poseidon low-rank: the restored state holds no entry for {name} but "
+                    f"entries for {sorted(self._unclaimed)}: the model's variables have other "
+                    "names than when the backup was made, and their residuals start from zero "
+                    "(build the model with the same layer names to resume exactly).",
+                    RuntimeWarning)
+                self._unclaimed.clear()
             state = self._states[name] = _MatrixState(None, None, 0)
         if state.residual is not None and state.residual.shape != (m, n):
             raise ValueError(
@@ -290,6 +303,7 @@ class LowRankProtocol(BucketProtocol):
                                  "backup.")
         with self._lock:
             self._states = states
+            self._unclaimed = set(states)
 
 
 def _update_residual(state: _MatrixState, x: np.ndarray, approx: np.ndarray, weight: float,
