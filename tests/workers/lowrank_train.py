@@ -8,8 +8,9 @@ OUT/<run>_rank<r>.json or .npz:
 
 * ``exact`` — a small CNN trained by SGD with every matrix low-rank at full rank (rank >=
   min(m, n), start_step=0) and with all-reduce, 233 rows at global batch 64 (uneven batch
-  shares, a short last batch): the weights before, after the first step and at the end of
-  both (npz), and the digest of the low-rank run's weights after every step.
+  shares, a short last batch): the weights as this rank built them ("initial"), after the
+  first step and at the end of both (npz), and the digest of the low-rank run's weights after
+  every step.
 * ``digits-<cnn|mlp>-<sync|lowrank>`` — examples/train_digits.py's model and data, Adam,
   EPOCHS epochs; lowrank: tp.PowerSGD(rank=4, choice="always"). Test accuracy, the plan, the
   bytes of the last step per layer, the low-rank compute seconds, the weights' digest after
@@ -94,6 +95,7 @@ def exact(out):
             model.compile(optimizer=keras.optimizers.SGD(0.1),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         digest = Digests()
+        arrays["initial"] = weights(model)  # rank 0's are every rank's after the broadcast
         model.fit(x[:64], y[:64], batch_size=64, epochs=1, shuffle=False, verbose=0)
         arrays[f"{name}_first"] = weights(model)
         model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0,
