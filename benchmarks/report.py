@@ -82,6 +82,13 @@ CONFIGS: list[Config] = [
     Config("sfb", "DWBP + sfb='auto' (PoseidonStrategy() defaults)", "poseidon", ()),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
            (("compression", "fp16"),)),
+    # lowrank as a dict of PowerSGD's arguments (the options travel to the worker as JSON);
+    # start_step=0: the few steps timed are the compressed steady state, not the warm-up.
+    Config("powersgd", "DWBP + lowrank=PowerSGD(rank=4): all-reduce, SFB or low-rank per layer",
+           "poseidon", (("lowrank", {"rank": 4, "start_step": 0}),)),
+    Config("powersgd-always", "DWBP + PowerSGD(rank=4, choice='always'): every matrix "
+           "compressing >= 2x", "poseidon",
+           (("lowrank", {"rank": 4, "start_step": 0, "choice": "always"}),)),
     Config("ssp", "mode='ssp', staleness=2", "poseidon", (("mode", "ssp"), ("staleness", 2))),
     # alpha = 0.9/P: synchronous EASGD needs alpha·P < 1 (tf_poseidon refuses the default
     # alpha=0.5 on 2 or more ranks); 0.9 is Zhang et al.'s beta = alpha·P.
