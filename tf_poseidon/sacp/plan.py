@@ -308,7 +308,7 @@ def _choose(estimates: Sequence[Estimate], modes: dict) -> tuple[str, str]:
     if forced:
         best = min(forced, key=lambda e: e.bytes)
         return best.protocol, ("sfb='always'" if best.protocol == SFB else
-                               f"{best.protocol} choice='always'")
+                               "PowerSGD choice='always'")
     if not options:
         return ALLREDUCE, "; ".join(e.refusal for e in others) or "all-reduce only"
     contenders = [allreduce, *options]
