@@ -9,6 +9,7 @@ missed (its *residual*) and adds it to its next gradient, so nothing is lost, on
   rank, warm-up steps, minimum compression, how the per-layer plan chooses.
 * ``protocol.py`` — the ``"lowrank"`` bucket protocol: the two rounds on the engine thread,
   the residuals and Q kept between steps, and their checkpoint form.
+* ``blas.py`` — numpy's BLAS at one thread while the protocol computes.
 
 Which gradients go low-rank is the per-layer plan's choice (tf_poseidon/sacp/), next to
 all-reduce and SFB; docs/compression.md says when to use it.

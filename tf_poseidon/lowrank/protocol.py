@@ -22,9 +22,10 @@ Q [n, r] (kept per member, equal on every rank):
 At full rank (r = min(m, n)) A is the exact sum and Σ_ranks S stays zero: the steps are exact.
 Q is warm-started: each step starts from the previous step's summed Q (the first from a random
 matrix seeded by the member's name, the same on every rank). A bucket whose sum is not finite
-(a NaN or Inf on some rank) returns NaN for its compressed members and leaves R and Q as they
-were: a step the loss-scale check skips leaves no trace. The matrix products run in numpy
-(its BLAS) on the engine thread, between the rounds; docs/compression.md has their cost.
+(a NaN or Inf on some rank) returns NaN for its compressed members and leaves S and Q as they
+were: a step the loss-scale check skips leaves no trace. The matrix products run in numpy on
+the engine thread, between the rounds, with its BLAS at one thread (blas.py);
+docs/compression.md has their cost.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tf_poseidon.comm import collectives
 from tf_poseidon.comm.buckets import Bucket, Item, aligned_empty, member_slices
 from tf_poseidon.comm.codecs import Codec, Exact
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
+from tf_poseidon.lowrank import blas
 from tf_poseidon.lowrank.options import PowerSGD, matrix_shape
 
 KIND = "lowrank"
@@ -119,7 +121,7 @@ class LowRankProtocol(BucketProtocol):
         result = payload[:total]
         matrices = [result[part].reshape(matrix_shape(it.shape))
                     for it, part in zip(items, member_slices(call.bucket.sizes))]
-        with self._lock:
+        with self._lock, blas.one_thread():
             states = [self._state(it.name, *x.shape) for it, x in zip(items, matrices)]
             compressed = [j for j, s in enumerate(states) if s.steps >= self.options.start_step]
             if not compressed:  # warm-up: the exact sum through the codec
@@ -141,8 +143,10 @@ class LowRankProtocol(BucketProtocol):
         # Round 1: P = X·Q̂ of each compressed member, then the warm-up members whole.
         layout1 = [matrices[j].shape[0] * ranks[j] for j in compressed] + \
                   [matrices[j].size for j in exact]
-        exact_count = isinstance(self.codec, Exact)
-        first = aligned_empty(sum(layout1) + exact_count, np.float32)
+        # The count travels in round 1 where the codec sums float32 exactly (small integers);
+        # a lossy codec would round it, and scale the bucket by it (fp16): then on its own.
+        count_in_round = isinstance(self.codec, Exact)
+        first = aligned_empty(sum(layout1) + count_in_round, np.float32)
         pieces = [first[part] for part in member_slices(layout1)]
         q_hats = {}
         for piece, j in zip(pieces, compressed):
@@ -156,7 +160,7 @@ class LowRankProtocol(BucketProtocol):
         compute = time.perf_counter() - started
         sent = np.zeros(2)
         sent += self.codec.wire_bytes(first.size, size)
-        if exact_count:  # the count travels exactly with float32 sums of small integers
+        if count_in_round:
             first[-1] = count
             self.codec.sum_into(comm, first, first)
             count_sum = float(first[-1])

@@ -197,15 +197,16 @@ def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None =
 def _time_lowrank(rank: int) -> float:
     """Seconds (best of 3) of one rank's low-rank compute on a :data:`PROBE_LOWRANK` matrix:
     the protocol's own steps on one rank, without the rounds."""
-    from tf_poseidon.lowrank import protocol
+    from tf_poseidon.lowrank import blas, protocol
     m, n = PROBE_LOWRANK
     rng = np.random.default_rng(0)
     x = rng.standard_normal((m, n), dtype=np.float32)
     q = rng.standard_normal((n, rank), dtype=np.float32)
     residual, approx = np.zeros_like(x), np.empty_like(x)
     times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        protocol.compute_once(x, q, residual, approx)
-        times.append(time.perf_counter() - start)
+    with blas.one_thread():
+        for _ in range(4):
+            start = time.perf_counter()
+            protocol.compute_once(x, q, residual, approx)
+            times.append(time.perf_counter() - start)
     return min(times[1:])
