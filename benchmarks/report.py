@@ -53,6 +53,12 @@ CONFIGS = [
     Config("sfb", "DWBP + sfb='auto' (PoseidonStrategy() defaults)", "poseidon"),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
            {"compression": "fp16"}),
+    # start_step=0: the few steps timed are the compressed steady state, not the warm-up.
+    Config("powersgd", "DWBP + lowrank=PowerSGD(rank=4): all-reduce, SFB or low-rank per layer",
+           "poseidon", {"lowrank": {"rank": 4, "start_step": 0}}),
+    Config("powersgd-always", "DWBP + PowerSGD(rank=4, choice='always'): every matrix "
+           "compressing >= 2x", "poseidon",
+           {"lowrank": {"rank": 4, "start_step": 0, "choice": "always"}}),
     Config("ssp", "mode='ssp', staleness=2", "poseidon", {"mode": "ssp", "staleness": 2}),
     # alpha·P = 0.9: Zhang et al.'s beta, as the results were measured with.
     Config("easgd", "mode='easgd', tau=4, alpha=0.9/P", "poseidon",

@@ -2,6 +2,8 @@
 
     tfposeidon-run -np 2 python examples/train_digits.py          # 2 ranks
     python examples/train_digits.py                               # one process
+    tfposeidon-run -np 2 python examples/train_digits.py --lowrank 4 --lowrank-choice always
+                                                                  # PowerSGD, rank 4
 
 The Keras code is ordinary: the only tf_poseidon lines are the strategy and its scope. The
 batch size given to fit is the global batch, split across ranks. Rank 0 prints the progress bar
@@ -33,7 +35,16 @@ def load_data(seed: int = 0):
     return x_train, y_train, x_test, y_test
 
 
-def build_model() -> keras.Model:
+def build_model(kind: str = "cnn") -> keras.Model:
+    """A small CNN (``"cnn"``) or a multi-layer perceptron (``"mlp"``) for 8×8 digits."""
+    if kind == "mlp":
+        return keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ])
     return keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
@@ -55,9 +66,11 @@ def train(args: argparse.Namespace) -> float:
         "easgd": lambda: tp.algorithms.EASGD(tau=args.tau, alpha=args.alpha,
                                              easgd_async=args.easgd_async),
     }[args.mode]()
-    strategy = tp.PoseidonStrategy(algorithm, compression=args.compression)
+    lowrank = (tp.PowerSGD(rank=args.lowrank, start_step=args.lowrank_start_step,
+                           choice=args.lowrank_choice) if args.lowrank else None)
+    strategy = tp.PoseidonStrategy(algorithm, compression=args.compression, lowrank=lowrank)
     with strategy.scope():
-        model = build_model()
+        model = build_model(args.model)
         model.compile(optimizer=keras.optimizers.Adam(args.learning_rate),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
@@ -66,7 +79,7 @@ def train(args: argparse.Namespace) -> float:
     _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
     if tp.is_chief():
         print(f"test accuracy: {accuracy:.4f} ({tp.size()} rank(s), mode={args.mode}, "
-              f"compression={args.compression})")
+              f"model={args.model}, compression={args.compression}, lowrank={lowrank})")
     return accuracy
 
 
@@ -82,6 +95,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--alpha", type=float, default=None,
                         help="EASGD moving rate (default 0.9/P; docs/easgd.md)")
     parser.add_argument("--easgd-async", action="store_true")
+    parser.add_argument("--model", default="cnn", choices=["cnn", "mlp"])
+    parser.add_argument("--lowrank", type=int, default=0, metavar="RANK",
+                        help="PowerSGD low-rank compression at this rank (0: off; "
+                             "docs/compression.md)")
+    parser.add_argument("--lowrank-start-step", type=int, default=10,
+                        help="steps summed exactly before compressing")
+    parser.add_argument("--lowrank-choice", default="auto", choices=["auto", "always"],
+                        help="auto: the per-layer cost model decides; always: every matrix "
+                             "that compresses enough")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2])
     return parser.parse_args(argv)

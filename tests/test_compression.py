@@ -48,6 +48,16 @@ def test_fp16_halves_the_bytes_on_the_wire(codec_report):
     assert report["bytes/fp16"] == pytest.approx(report["bytes/none"] / 2)
 
 
+def test_fp16_moves_weights_whose_gradients_are_near_float32s_smallest_normal(codec_report):
+    # SGD at lr 1e34, gradients ~1e-35 (normal floats) in a bucket of their own: the fp16
+    # scale is capped (codecs.MAX_SCALE) instead of overflowing to +inf, which left the
+    # weights where they were.
+    for report in codec_report:
+        exact, fp16 = np.array(report["tiny/none"]), np.array(report["tiny/fp16"])
+        assert np.all(np.abs(exact - 0.04) < 1e-3)  # two steps of 0.02
+        np.testing.assert_allclose(fp16, exact, rtol=1e-3)
+
+
 def test_loss_scale_optimizer_skips_the_step_on_every_rank_together(tmp_path_factory):
     single = tmp_path_factory.mktemp("ls1")
     check(run_job(0, "compression_check.py", "lossscale", str(single))[0])

@@ -26,7 +26,8 @@ _placement.configure_process(_world.world())
 __version__ = "0.1.0"
 
 __all__ = ["PoseidonStrategy", "WorldError", "rank", "size", "local_rank", "local_size",
-           "is_chief", "algorithms", "codecs", "ops", "callbacks", "export_for_serving"]
+           "is_chief", "algorithms", "codecs", "ops", "callbacks", "export_for_serving",
+           "PowerSGD"]
 
 # attribute -> (module it comes from, name in it; None: the attribute is the module itself)
 _LAZY = {"PoseidonStrategy": ("tf_poseidon.strategy", "PoseidonStrategy"),
@@ -34,7 +35,8 @@ _LAZY = {"PoseidonStrategy": ("tf_poseidon.strategy", "PoseidonStrategy"),
          "codecs": ("tf_poseidon.comm.codecs", None),
          "ops": ("tf_poseidon.ops", None),
          "callbacks": ("tf_poseidon.callbacks", None),
-         "export_for_serving": ("tf_poseidon.export", "export_for_serving")}
+         "export_for_serving": ("tf_poseidon.export", "export_for_serving"),
+         "PowerSGD": ("tf_poseidon.lowrank", "PowerSGD")}
 
 
 def __getattr__(name):

@@ -39,6 +39,7 @@ from keras.src.utils import io_utils
 
 from tf_poseidon.export import atomic_path, consistent_state, multi_rank_strategy, run_on_chief
 
+_ALGORITHM = "algorithm/"  # prefix of the algorithm's state in a backup's state file
 _BACKUP_FILE = re.compile(r"backup-\d+\.(weights\.h5|state\.npz)")
 
 
@@ -85,7 +86,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Keras' global one, and the epoch's metric states summed over ranks) and
     ``training_metadata.json`` (``{"epoch", "batch", "steps_done", "weights", "state",
     "serial", "previous"}``), the commit point: a backup exists once the JSON naming it has
-    been atomically replaced. ``double_checkpoint=True`` keeps the previous backup's files too,
+    been atomically replaced. The state file also holds the strategy's algorithm state
+    (``algorithm/...``: low-rank compression's residuals, summed over ranks, and its Q), which
+    is restored on every rank (each takes 1/P of the summed residuals) and never exported. ``double_checkpoint=True`` keeps the previous backup's files too,
     named under ``"previous"``, and falls back to them if the current weights cannot be read.
 
     * ``on_train_begin`` — every rank reads the committed backup, if any, and restores the
@@ -167,6 +170,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                                  "another model.")
             for name, variable in seeds.items():
                 variable.assign(arrays[name])
+            strategy = multi_rank_strategy(self.model)
+            if strategy is not None:
+                strategy.extended.algorithm_impl.restore_training_state(
+                    {name[len(_ALGORITHM):]: value for name, value in arrays.items()
+                     if name.startswith(_ALGORITHM)})
             self._resume_metrics = [arrays[f"metric_{i}"] for i in range(
                 sum(name.startswith("metric_") for name in arrays))]
         self._resume_steps = int(entry.get("steps_done", 0))
@@ -232,11 +240,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             run_on_chief(self.model, lambda: self._write_backup(state), "write a backup")
 
     def _state_to_save(self) -> dict[str, np.ndarray]:
-        """Every rank: the random generators' states and the metric states summed over ranks
-        (a collective under a multi-process strategy)."""
+        """Every rank: the random generators' states, the metric states summed over ranks and
+        the algorithm's own state (collectives under a multi-process strategy)."""
         state = {name: v.numpy() for name, v in _seed_states(self.model).items()}
         metrics = [v.value for v in self.model.metrics_variables]
         strategy = multi_rank_strategy(self.model)
+        if strategy is not None:
+            state.update({_ALGORITHM + name: value for name, value in
+                          strategy.extended.algorithm_impl.training_state().items()})
         if strategy is not None and metrics:
             metrics = strategy.extended.sum_over_ranks(metrics, "backup_metrics")
         state.update({f"metric_{i}": keras.ops.convert_to_numpy(m)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_poseidon.algorithms import Algorithm, from_mode
+from tf_poseidon.algorithms import Algorithm, Sync, from_mode
 from tf_poseidon.comm import codecs
 from tf_poseidon.comm.codecs import Codec
+from tf_poseidon.lowrank import PowerSGD
 
 SFB_CHOICES = ("auto", "always", "never")
 
@@ -21,8 +22,9 @@ class StrategyConfig:
 
     ``algorithm`` is an Algorithm object; the keyword form (``mode="ssp", staleness=2``) builds
     one through the registry (algorithms/registry.py). ``codec`` is the Codec that
-    ``compression`` names (or the instance given). Raises ValueError naming a wrong argument
-    and what is allowed.
+    ``compression`` names (or the instance given). ``lowrank`` is a PowerSGD or None (a dict
+    of PowerSGD's keyword arguments is accepted for it, as from a configuration file). Raises
+    ValueError naming a wrong argument and what is allowed.
     """
 
     algorithm: Algorithm
@@ -33,12 +35,14 @@ class StrategyConfig:
     timeline: str | None
     bandwidth_gbps: float | None
     sync_batchnorm: bool
+    lowrank: PowerSGD | None
 
     def __init__(self, algorithm: Algorithm | str | None = None, *, mode: str | None = None,
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 sync_batchnorm: bool = False, **algorithm_options):
+                 sync_batchnorm: bool = False, lowrank: PowerSGD | dict | None = None,
+                 **algorithm_options):
         from tf_poseidon import world
         if isinstance(algorithm, str):
             algorithm, mode = None, _one_mode(algorithm, mode)
@@ -82,9 +86,11 @@ class StrategyConfig:
                              f"ranks step together (mode='sync'); {algorithm!r} lets ranks run "
                              "ahead of each other, and global batch statistics would make "
                              "every step wait for the slowest rank.")
+        lowrank = _lowrank(lowrank, algorithm)
         values = dict(algorithm=algorithm, codec=codecs.get(compression), sfb=sfb,
                       bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
-                      bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm)
+                      bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm,
+                      lowrank=lowrank)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -97,6 +103,25 @@ class StrategyConfig:
     def compression(self) -> str:
         """The codec's name ("none", "fp16", "bf16", ...)."""
         return self.codec.name
+
+
+def _lowrank(value: PowerSGD | dict | None, algorithm: Algorithm) -> PowerSGD | None:
+    if isinstance(value, dict):
+        unknown = set(value) - set(PowerSGD().options())
+        if unknown:
+            raise ValueError(f"PoseidonStrategy: lowrank={value!r} has unknown options "
+                             f"{sorted(unknown)}; PowerSGD takes "
+                             + ", ".join(PowerSGD().options()) + ".")
+        value = PowerSGD(**value)
+    if value is not None and not isinstance(value, PowerSGD):
+        raise ValueError(f"PoseidonStrategy: lowrank={value!r} is not valid; pass None (the "
+                         "default) or tp.PowerSGD(rank=..., start_step=..., "
+                         "min_compression=...).")
+    if value is not None and not isinstance(algorithm, Sync):
+        raise ValueError(f"PoseidonStrategy: lowrank={value!r} compresses the gradients that "
+                         f"mode='sync' sums each step; {algorithm!r} does not sum gradients "
+                         "that way. Use mode='sync' or leave lowrank=None.")
+    return value
 
 
 def _one_mode(named: str, mode: str | None) -> str:

@@ -75,14 +75,24 @@ class PoseidonStrategy(distribute_lib.Strategy):
       timeline: path of a Chrome-trace JSON file (Perfetto, chrome://tracing) that rank 0
         writes at exit with every rank's per-bucket communication events; the same as setting
         ``TF_POSEIDON_TIMELINE`` (or ``tfposeidon-run --timeline-filename``).
-      bandwidth_gbps: the network bandwidth per rank in Gbit/s that the SFB cost model
-        assumes; None (default) measures it with a short probe when a train step is first
+      bandwidth_gbps: the network bandwidth per rank in Gbit/s that the per-layer cost model
+        assumes (SFB, low-rank); None (default) measures it with a short probe when a train step is first
         traced (see :meth:`plan`).
       sync_batchnorm: BatchNormalization layers normalize with the statistics of the global
         batch (exact: P ranks train like one process; two small collectives per BN layer and
         step), as ``BatchNormalization(synchronized=True)`` does for one layer. False (default):
         each rank's own batch statistics, with the moving statistics combined across ranks
         after every step (tf_poseidon/batchnorm.py).
+      lowrank: ``tp.PowerSGD(rank=4, start_step=10, min_compression=2.0, choice="auto")``
+        to sum matrix-shaped gradients (Dense kernels, convolution kernels as
+        [kh·kw·c_in, c_out]) as rank-r approximations with error feedback: two all-reduces of
+        (m+n)·r values instead of one of m·n (a dict of PowerSGD's arguments also works).
+        Which gradients go low-rank is the per-layer plan's choice, next to all-reduce and
+        SFB (:meth:`plan`); vectors and matrices that compress less than ``min_compression``
+        are all-reduced. ``compression`` stays the wire format of everything, P and Q too.
+        Approximate: P ranks no longer train exactly like one process. The residuals and Q
+        are training state (saved and restored by ``tp.callbacks.BackupAndRestore``). None
+        (default): off. Sync only (docs/compression.md).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -93,11 +103,11 @@ class PoseidonStrategy(distribute_lib.Strategy):
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 sync_batchnorm: bool = False, **algorithm_options):
+                 sync_batchnorm: bool = False, lowrank=None, **algorithm_options):
         config = StrategyConfig(algorithm, mode=mode, compression=compression, sfb=sfb,
                                 bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
                                 bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm,
-                                **algorithm_options)
+                                lowrank=lowrank, **algorithm_options)
         if timeline:
             os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))
@@ -119,13 +129,16 @@ class PoseidonStrategy(distribute_lib.Strategy):
         self.extended.drain()
 
     def plan(self):
-        """The per-layer plan: which protocol carries each Dense kernel's gradient, and why.
+        """The per-layer plan: which protocol carries each gradient that has a choice (Dense
+        kernels: all-reduce or SFB; embeddings: sparse rows; with ``lowrank``, every matrix:
+        low-rank too), and why.
 
         Any rank, any time, non-blocking; prints the table on rank 0 and returns a
-        ``tf_poseidon.sacp.Plan`` (``rows``: layer, kernel shape, local batch K, bytes by
-        all-reduce and by SFB, estimated times, choice and reason; ``as_dict()``). The plan
-        is made, and agreed by every rank, when the train step is first traced; before that
-        the returned plan has no rows and its note says so. See docs/sfb.md.
+        ``tf_poseidon.sacp.Plan`` (``rows``: layer, matrix shape, local batch K, each
+        protocol's predicted bytes and time (``estimates``), choice and reason;
+        ``as_dict()``). The plan is made, and agreed by every rank, when the train step is
+        first traced; before that the returned plan has no rows and its note says so. See
+        docs/sfb.md and docs/compression.md.
         """
         from tf_poseidon import sacp
         return sacp.plan_of(self)

@@ -4,7 +4,8 @@
     compression_check.py lossscale OUT   LossScaleOptimizer with a NaN in one rank's rows
 
 codec writes OUT/codec_rank<r>.json: relative errors per (compression, size), the NaN/Inf
-results, and the strategy's bytes per step for fp32 and fp16 gradient reductions.
+results, the strategy's bytes per step for fp32 and fp16 gradient reductions, and how far SGD
+at lr 1e34 moves a kernel whose gradients are ~1e-35 (normal floats) with each compression.
 lossscale writes OUT/lossscale_rank<r>.npz: final weights and loss scale; run it alone and
 on several ranks: the step with the NaN must be skipped everywhere alike.
 """
@@ -71,6 +72,18 @@ def codec(out):
                   batch_size=32, verbose=0)
         # stats() covers the process's last steps: this fit's two.
         report[f"bytes/{compression}"] = strategy.stats(last_steps=2)["summary"]["bytes_sent"]
+    for compression in ("none", "fp16"):
+        # A gradient of -2e-36 per element (as sent: ~7e-36, weighted by the batch share), in
+        # a bucket of its own (bucket_bytes=4: not with the batch-share count): at 3 ranks the
+        # fp16 scale LIMIT/(P·amax) would exceed float32's range.
+        strategy = tp.PoseidonStrategy(compression=compression, bucket_bytes=4)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(
+                1, use_bias=False, kernel_initializer="zeros")])
+            model.compile(optimizer=keras.optimizers.SGD(1e34), loss="mse")
+        model.fit(np.full((60, 8), 1e-36, np.float32), np.ones((60, 1), np.float32),
+                  batch_size=30, verbose=0)
+        report[f"tiny/{compression}"] = model.get_weights()[0].ravel().tolist()
     with open(os.path.join(out, f"codec_rank{tp.rank()}.json"), "w") as f:
         json.dump(report, f)
 

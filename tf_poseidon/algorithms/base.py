@@ -19,8 +19,11 @@ context, while the train step is traced:
 4. ``tracing_replica_function()`` — a context manager the strategy enters while it runs (and so
    traces) the replica function; an algorithm that needs to see the forward pass (SFB captures
    Dense layers' inputs) hooks in here.
-5. ``plan()`` — the per-layer protocol plan of the last traced step (sfb/plan.py), or None for
-   an algorithm that does not plan; ``stats()`` — its own figures for ``strategy.stats()``.
+5. ``plan()`` — the per-layer protocol plan of the last traced step (sacp/plan.py), or None
+   for an algorithm that does not plan; ``stats()`` — its own figures for ``strategy.stats()``.
+6. ``training_state()`` / ``restore_training_state(arrays)`` — state of the algorithm's own
+   that the next steps depend on and that is not in the model's or the optimizer's variables
+   (sync's low-rank residuals): ``tp.callbacks.BackupAndRestore`` saves and restores it.
 
 Graph ops an implementation creates go through ``graph_ops.run_buckets`` (or the Sequencer), so
 they reach the engine in the same order on every rank. A new algorithm is one module: an
@@ -128,6 +131,15 @@ class AlgorithmImpl:
     def stats(self) -> dict:
         """Algorithm-specific statistics for ``strategy.stats()["mode"]`` (JSON-serialisable)."""
         return {}
+
+    def training_state(self) -> dict[str, Any]:
+        """Every rank, blocking (may be collective): named numpy arrays of the state a backup
+        must hold; rank 0's are the ones written. Default: none."""
+        return {}
+
+    def restore_training_state(self, arrays: dict[str, Any]) -> None:
+        """Every rank, not collective: takes what ``training_state`` returned (read back from
+        a backup, possibly made on another number of ranks)."""
 
     def plan_buckets(self, entries: Sequence[Any],
                      backprop_order: bool = True) -> list[buckets_lib.Bucket]:

@@ -7,17 +7,23 @@ in float32 (comm/codecs.py).
 Per gradient, the protocol that carries it is the per-layer plan's choice (sacp/plan.py): Dense
 kernels may travel as sufficient factors (``sfb="auto"|"always"``; sfb/), embeddings' sparse
 gradients (``IndexedSlices``) as the rows each rank looked up (comm/sparse.py) when that is
-fewer bytes, every other gradient is all-reduced. While the replica function is traced, Dense
-layers record their factors (:meth:`SyncImpl.tracing_replica_function`); at the reduction all
-gradients — summed ones, factors, sparse rows — go into one group of buckets in backprop order
+fewer bytes, matrix-shaped gradients as low-rank approximations with error feedback
+(``lowrank=tp.PowerSGD(...)``; lowrank/), every other gradient is all-reduced. While the
+replica function is traced, Dense layers record their factors
+(:meth:`SyncImpl.tracing_replica_function`); at the reduction all gradients — summed ones,
+factors, sparse rows, low-rank ones — go into one group of buckets in backprop order
 (graph_ops.run_buckets), and the kernels sent by SFB are rebuilt from every rank's factors.
+Low-rank compression is approximate and keeps state between steps (each rank's residuals, the
+shared Q): :meth:`SyncImpl.training_state` and :meth:`SyncImpl.restore_training_state` move it
+to and from a backup.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_poseidon.algorithms import batch_share
@@ -26,6 +32,7 @@ from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmI
 from tf_poseidon.algorithms.registry import register
 from tf_poseidon.comm import buckets as buckets_lib, graph_ops, sparse
 from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.lowrank import protocol as lowrank_protocol
 from tf_poseidon.sacp import plan as plan_lib
 from tf_poseidon.sfb import capture, protocol as sfb_protocol
 
@@ -51,6 +58,10 @@ class SyncImpl(AlgorithmImpl):
         self._protocols = {self.summing.kind: self.summing,
                            sfb_protocol.KIND: sfb_protocol.SfbProtocol(self.codec),
                            sparse.KIND: sparse.SparseProtocol(self.codec)}
+        self._lowrank = None
+        if context.config.lowrank is not None:
+            self._lowrank = lowrank_protocol.LowRankProtocol(context.config.lowrank, self.codec)
+            self._protocols[lowrank_protocol.KIND] = self._lowrank
 
     def tracing_replica_function(self):
         """Captures Dense layers' factors while the replica function is traced (unless
@@ -72,6 +83,33 @@ class SyncImpl(AlgorithmImpl):
     def plan(self) -> plan_lib.Plan | None:
         return self._planner.plan
 
+    def stats(self) -> dict:
+        """With low-rank compression: ``lowrank_compute_s``, this rank's seconds of low-rank
+        compute (matrix products, orthonormalization, residual passes; not the rounds) in each
+        of the recent steps, oldest first."""
+        if self._lowrank is None:
+            return {}
+        seconds = self._lowrank.compute_seconds()
+        return {"lowrank_compute_s": [seconds[key] for key in sorted(seconds)]}
+
+    def training_state(self) -> dict[str, np.ndarray]:
+        """Every rank, blocking and collective: the low-rank state (``lowrank/<variable>/q``,
+        ``.../steps`` and ``.../residual``, the residuals summed over ranks, complete on rank 0
+        only); empty without low-rank compression."""
+        if self._lowrank is None:
+            return {}
+        arrays = self.engine.call(self._lowrank.state_arrays, label="low-rank state")
+        return {f"{LOWRANK_STATE}{key}": value for key, value in arrays.items()}
+
+    def restore_training_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Any rank, not collective: takes what :meth:`training_state` saved (on any number of
+        ranks: each rank gets 1/P of the summed residuals). Entries of low-rank state are
+        ignored without low-rank compression (its residuals are then lost)."""
+        if self._lowrank is None:
+            return
+        self._lowrank.restore({key[len(LOWRANK_STATE):]: value for key, value in arrays.items()
+                               if key.startswith(LOWRANK_STATE)}, self.num_replicas)
+
     def reduce_gradients(self, grads: Sequence[tf.Tensor], variables: Sequence[tf.Variable],
                          local_batch: tf.Tensor | None) -> list[tf.Tensor]:
         """Returns Σ_p g_p for each gradient (same shapes and dtypes; an ``IndexedSlices``
@@ -81,8 +119,10 @@ class SyncImpl(AlgorithmImpl):
         With ``local_batch`` (this rank's example count in the step), each rank's gradient is
         weighted by its share of the global batch (batch_share.py). Blocking: in a graph, the
         returned tensors' ops block until the sums are there; eagerly, the call blocks. The
-        first trace that captured Dense layers agrees the per-layer plan with the other ranks
-        (a collective, blocking until every rank reaches it).
+        first trace with a gradient another protocol could carry (a captured Dense kernel, an
+        embedding's IndexedSlices, a matrix with ``lowrank=``) agrees the per-layer plan with
+        the other ranks (a collective, blocking until every rank reaches it). Gradients sent
+        low-rank come back as their low-rank sums (approximate; tf_poseidon/lowrank/).
         """
         session = self._sessions[-1] if self._sessions else None
         choices = self._planner.choose(session, grads, variables)
@@ -90,6 +130,7 @@ class SyncImpl(AlgorithmImpl):
         weight = (batch_share.Weighting(local_batch, self.num_replicas)
                   if local_batch is not None else None)
         items, inputs = [], []
+        ones, lowrank_names = None, set()
         for grad, variable, name, (match, row) in zip(grads, variables, names, choices):
             if isinstance(grad, tf.IndexedSlices):
                 if row is not None and row.choice == plan_lib.SPARSE:
@@ -99,6 +140,17 @@ class SyncImpl(AlgorithmImpl):
                     inputs.append([indices, values if weight is None else weight.apply(values)])
                     continue
                 grad = tf.convert_to_tensor(grad)  # the plan's choice: the dense all-reduce
+            if row is not None and row.choice == plan_lib.LOWRANK:
+                value = _with_static_shape(grad, variable)
+                # The item's name keys the member's state: unique, as variables' paths are.
+                key = name if name not in lowrank_names else f"{name}#{len(lowrank_names)}"
+                lowrank_names.add(key)
+                items.append(lowrank_protocol.item(key, variable.shape.as_list()))
+                if weight is None:
+                    ones = tf.ones([1], tf.float32) if ones is None else ones
+                inputs.append([value, ones] if weight is None
+                              else [weight.apply(value), weight.count])
+                continue
             if row is not None and row.choice == plan_lib.SFB:
                 factors = match.factors
                 if factors is None:
@@ -138,6 +190,10 @@ class SyncImpl(AlgorithmImpl):
                 value += tf.cast(self.num_replicas, grad.dtype) * tf.add_n(match.extra)
             reduced.append(value)
         return reduced
+
+
+LOWRANK_STATE = "lowrank/"
+"""The prefix of the low-rank entries in :meth:`SyncImpl.training_state`."""
 
 
 def _with_static_shape(grad: tf.Tensor, variable: tf.Variable) -> tf.Tensor:

@@ -1,25 +1,32 @@
 """The cost model: per layer, all-reduce or another protocol (sufficient factors for Dense
-kernels, sparse rows for embeddings), and the rates it uses.
+kernels, low-rank approximations for matrices, sparse rows for embeddings), and the rates it
+uses.
 
 For a kernel W of M×N, local batch K, P ranks and b bytes per element on the wire:
 
 * ring all-reduce sends (and receives) per rank ``2(P-1)/P·M·N·b`` bytes; each rank also forms
   its local gradient xᵀδ: ``2·M·N·K`` flops;
 * SFB all-gathers the factors: ``(P-1)·K·(M+N)·b`` bytes per rank, then reconstructs
-  ΔW = Σ_p U_pᵀV_p: ``2·M·N·P·K`` flops (and the local xᵀδ is not computed).
+  ΔW = Σ_p U_pᵀV_p: ``2·M·N·P·K`` flops (and the local xᵀδ is not computed);
+* low-rank (PowerSGD, rank r) all-reduces P [M, r] and Q [N, r]: ``2(P-1)/P·(M+N)·r·b``
+  bytes per rank, after the local gradient; its own compute (three thin matrix products, the
+  residual's passes) is M·N / the measured low-rank rate.
 
-Estimated times are bytes / bandwidth + flops / compute rate, plus for SFB two network
+Estimated times are bytes / bandwidth + compute / compute rate, plus for SFB two network
 latencies (its all-gather is two rounds, and the factors travel in a bucket of their own) and a
-fixed :data:`SFB_OVERHEAD_S` for the hand-over and unpacking of the gathered factors. With
-``sfb="auto"`` a layer goes by SFB iff its estimate is lower. The bandwidth, latency and compute
-rate are measured once by :func:`measure_rates` (a collective: timed all-reduces and a timed
-reconstruction, the slowest rank's times agreed on every rank), or the bandwidth is given
+fixed :data:`SFB_OVERHEAD_S` for the hand-over and unpacking of the gathered factors, and for
+low-rank its two rounds' latencies and the same fixed overhead. Gradients whose local batch is
+unknown (convolution kernels) leave out the local gradient's compute, which every protocol but
+SFB pays alike. The bandwidth, latency and compute rates are measured once by
+:func:`measure_rates` (a collective: timed all-reduces, a timed reconstruction and a timed
+low-rank step, the slowest rank's times agreed on every rank), or the bandwidth is given
 (``PoseidonStrategy(bandwidth_gbps=...)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -32,6 +39,7 @@ savings are below it, on the all-reduce they share with the other gradients."""
 
 PROBE_BYTES = 4 * 2**20  # the timed all-reduce (above a shaped link's 1 MB burst)
 PROBE_MATMUL = (64, 2048, 2048)  # rows R, M, N of the timed reconstruction (16 MB out)
+PROBE_LOWRANK = (1024, 1024)  # M, N of the timed low-rank compute (4 MB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +50,15 @@ class Rates:
     latency_s: float  # one small collective round
     flops_s: float  # reconstruction (ops.sfb_reconstruct) throughput
     source: str  # "measured", or "bandwidth given" when bandwidth_gbps was passed
+    lowrank_elements_s: float = float("nan")  # gradient elements per second of low-rank compute
 
     def describe(self) -> str:
-        return (f"bandwidth {self.bandwidth_bytes_s * 8 / 1e9:.3g} Gbit/s, latency "
+        text = (f"bandwidth {self.bandwidth_bytes_s * 8 / 1e9:.3g} Gbit/s, latency "
                 f"{self.latency_s * 1e3:.3g} ms, reconstruction {self.flops_s / 1e9:.3g} "
-                f"GFlop/s ({self.source})")
+                f"GFlop/s")
+        if math.isfinite(self.lowrank_elements_s):
+            text += f", low-rank {self.lowrank_elements_s / 1e6:.3g} M elements/s"
+        return text + f" ({self.source})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,16 +107,44 @@ def sparse_cost(rows: int, width: int, lookups: int, num_replicas: int, element_
                       bytes_sparse / rates.bandwidth_bytes_s + 2 * rates.latency_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class LowRankCost:
+    bytes_allreduce: float  # per rank, sent (= received) per step
+    bytes_lowrank: float
+    time_allreduce_s: float
+    time_lowrank_s: float
+
+
+def lowrank_cost(m: int, n: int, rank: int, k: int | None, num_replicas: int,
+                 element_bytes: float, rates: Rates | None) -> LowRankCost:
+    """An M×N gradient summed as a rank-``rank`` approximation (two all-reduces of
+    (M+N)·rank values) against the all-reduce of M·N; ``k`` is the local batch when the
+    gradient is a Dense kernel's (its local product costs both the same), None otherwise.
+    Times are NaN without ``rates`` (or without a measured low-rank rate)."""
+    p = num_replicas
+    bytes_ar = 2 * (p - 1) / p * m * n * element_bytes
+    bytes_lr = 2 * (p - 1) / p * (m + n) * rank * element_bytes
+    if rates is None:
+        return LowRankCost(bytes_ar, bytes_lr, float("nan"), float("nan"))
+    local = 2 * m * n * k / rates.flops_s if k else 0.0
+    time_ar = bytes_ar / rates.bandwidth_bytes_s + local
+    time_lr = (bytes_lr / rates.bandwidth_bytes_s + local + m * n / rates.lowrank_elements_s
+               + 2 * rates.latency_s + SFB_OVERHEAD_S)
+    return LowRankCost(bytes_ar, bytes_lr, time_ar, time_lr)
+
+
 def sfb_may_pay(m: int, n: int, k: int, num_replicas: int) -> bool:
     """Whether SFB moves fewer bytes at all (P·K·(M+N) < 2·M·N, Poseidon's rule); if not for
     any layer, ``auto`` needs no measurement: all-reduce wins on bytes and on compute."""
     return num_replicas * k * (m + n) < 2 * m * n
 
 
-def measure_rates(comm, bandwidth_gbps: float | None) -> Rates:
+def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None = None) -> Rates:
     """Collective (every rank, on the engine thread, blocking for ~0.1–0.5 s): times small and
-    ``PROBE_BYTES`` all-reduces (unless ``bandwidth_gbps`` is given) and a reconstruction of
-    :data:`PROBE_MATMUL`; every rank gets the same Rates (the slowest rank's times)."""
+    ``PROBE_BYTES`` all-reduces (unless ``bandwidth_gbps`` is given), a reconstruction of
+    :data:`PROBE_MATMUL` and, with ``lowrank_rank``, the low-rank compute of a
+    :data:`PROBE_LOWRANK` matrix at that rank; every rank gets the same Rates (the slowest
+    rank's times)."""
     from mpi4py import MPI
 
     from tf_poseidon import ops
@@ -128,6 +168,7 @@ def measure_rates(comm, bandwidth_gbps: float | None) -> Rates:
         start = time.perf_counter()
         ops.sfb_reconstruct(u, v).numpy()
         matmul_times.append(time.perf_counter() - start)
+    lowrank_s = _time_lowrank(lowrank_rank) if lowrank_rank is not None else 0.0
     small = np.zeros(2, np.float32)
     timed_allreduce(small, 2)  # warm-up
     latency = statistics.median(timed_allreduce(small, 5))
@@ -136,9 +177,9 @@ def measure_rates(comm, bandwidth_gbps: float | None) -> Rates:
         big = np.zeros(PROBE_BYTES // 4, np.float32)
         big_time = min(timed_allreduce(big, 3))  # min: the capacity, not the noise
     # The slowest rank's figures, on every rank.
-    figures = np.array([min(matmul_times), latency, big_time], np.float64)
+    figures = np.array([min(matmul_times), latency, big_time, lowrank_s], np.float64)
     comm.Allreduce(MPI.IN_PLACE, figures, op=MPI.MAX)
-    matmul_s, latency, big_time = (float(f) for f in figures)
+    matmul_s, latency, big_time, lowrank_s = (float(f) for f in figures)
     flops = 2 * r * m * n / max(matmul_s, 1e-9)
     size = comm.Get_size()
     if bandwidth_gbps is None:
@@ -148,4 +189,24 @@ def measure_rates(comm, bandwidth_gbps: float | None) -> Rates:
     else:
         bandwidth = bandwidth_gbps * 1e9 / 8
         source = "bandwidth given"
-    return Rates(bandwidth, latency, flops, source)
+    lowrank_rate = (PROBE_LOWRANK[0] * PROBE_LOWRANK[1] / max(lowrank_s, 1e-9)
+                    if lowrank_rank is not None else float("nan"))
+    return Rates(bandwidth, latency, flops, source, lowrank_rate)
+
+
+def _time_lowrank(rank: int) -> float:
+    """Seconds (best of 3) of one rank's low-rank compute on a :data:`PROBE_LOWRANK` matrix:
+    the protocol's own steps on one rank, without the rounds."""
+    from tf_poseidon.lowrank import blas, protocol
+    m, n = PROBE_LOWRANK
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, n), dtype=np.float32)
+    q = rng.standard_normal((n, rank), dtype=np.float32)
+    residual, approx = np.zeros_like(x), np.empty_like(x)
+    times = []
+    with blas.one_thread():
+        for _ in range(4):
+            start = time.perf_counter()
+            protocol.compute_once(x, q, residual, approx)
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
