@@ -35,6 +35,7 @@ def max_difference(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("config", ["guide", "guide-xla"])
 def test_custom_train_step_metrics_are_global(jobs, config):
     single, two, _ = jobs
@@ -53,6 +54,7 @@ def test_custom_train_step_metrics_are_global(jobs, config):
             <= TOLERANCE, rank
 
 
+@pytest.mark.multirank
 def test_jit_compile_matches_one_process_with_xla(jobs):
     single, two, dump = jobs
     reference = load(single, "cnn-xla", 0)

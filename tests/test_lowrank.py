@@ -49,6 +49,7 @@ def arrays(job, run, rank=0):
 
 # -- correctness -------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("job_name", ["p2", "p3"])
 def test_full_rank_without_warm_up_equals_the_exact_sum(request, job_name):
     # Every matrix (a conv kernel as 9x4, Dense 256x16 and 16x5) low-rank at rank >= min(m, n),
@@ -71,6 +72,7 @@ def test_full_rank_without_warm_up_equals_the_exact_sum(request, job_name):
 @pytest.mark.parametrize("job_name, runs", [
     ("p2", ["exact", "digits-cnn-lowrank", "digits-mlp-lowrank"]),
     ("p3", ["exact", "digits-cnn-lowrank", "digits-mlp-lowrank"])])
+@pytest.mark.multirank
 def test_every_rank_holds_the_same_weights_after_every_step(request, job_name, runs):
     job = request.getfixturevalue(job_name)
     for run in runs:
@@ -79,6 +81,7 @@ def test_every_rank_holds_the_same_weights_after_every_step(request, job_name, r
         assert all(d == digests[0] for d in digests[1:]), run
 
 
+@pytest.mark.multirank
 def test_error_feedback_keeps_the_applied_updates_within_a_bound_of_the_exact_ones(p3):
     # 150 steps of rank-2 compression of 24x24 and 40x16 gradients (a common direction plus
     # noise) on 3 ranks, uneven batch shares every 7th step (one rank without examples).
@@ -102,6 +105,7 @@ def test_error_feedback_keeps_the_applied_updates_within_a_bound_of_the_exact_on
 
 # -- convergence -------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("job_name", ["p2", "p3"])
 @pytest.mark.parametrize("model", ["cnn", "mlp"])
 def test_digits_accuracy_with_rank_4_is_within_one_percent_of_sync(request, p2, job_name,
@@ -114,6 +118,7 @@ def test_digits_accuracy_with_rank_4_is_within_one_percent_of_sync(request, p2, 
     assert "lowrank" in [row["choice"] for row in lowrank["plan"]["rows"]]
 
 
+@pytest.mark.multirank
 def test_low_rank_layers_send_a_fraction_of_the_bytes(p2):
     sync = report(p2, "digits-mlp-sync")["per_layer"]
     lowrank = report(p2, "digits-mlp-lowrank")["per_layer"]
@@ -128,6 +133,7 @@ def test_low_rank_layers_send_a_fraction_of_the_bytes(p2):
 
 # -- the plan ----------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_plan_shows_every_protocols_bytes_and_time_and_picks_the_fastest(p2):
     # bandwidth_gbps=0.05, global batch 64: K = 32 per rank; sfb="auto", PowerSGD(rank=4).
     result = report(p2, "plan")
@@ -154,6 +160,7 @@ def test_plan_shows_every_protocols_bytes_and_time_and_picks_the_fastest(p2):
 
 # -- checkpoints -------------------------------------------------------------------------------
 
+@pytest.mark.multirank
 def test_resuming_from_a_backup_continues_like_the_uninterrupted_run(p2):
     entries = report(p2, "resume")["state_entries"]
     assert entries["algorithm/lowrank/mlp/h1/kernel/residual"] == [64, 128]

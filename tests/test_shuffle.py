@@ -8,6 +8,8 @@ step receives.
 
 import json
 
+import pytest
+
 from multirank import check, run_job
 
 SAMPLES = 96
@@ -30,6 +32,7 @@ def global_orders(out, ranks, fit):
     return orders
 
 
+@pytest.mark.multirank
 def test_every_rank_slices_the_same_permutation(tmp_path):
     seeded = {}
     for ranks in (2, 3):
