@@ -80,14 +80,16 @@ STEP_TIMEOUT_S = 3  # TF_POSEIDON_TIMEOUT of these jobs; their slow phases take 
 
 @pytest.mark.multirank
 def test_a_hung_rank_times_out_and_the_cause_is_the_last_line():
-    # Rank 1 stops for 600 s before its 4th batch; rank 0's gradient all-reduce times out
-    # (the job ends long before the sleep would). Rank 0's own output ends with the cause in
-    # one line, once, and the launcher's last line repeats it.
+    # Rank 1 stops for 600 s before its 4th batch; rank 0's engine waits for rank 1 to post
+    # the gradients of step 3 and times out (the job ends long before the sleep would), naming
+    # the step. Rank 0's own output ends with the cause in one line, once, and the launcher's
+    # last line repeats it.
     result, _ = run_job(2, "misbehave.py", "hang", timeout=240, mpi_args="--tag-output",
                         env={"TF_POSEIDON_TIMEOUT": "5"})
     assert result.returncode != 0
-    cause = ("CollectiveTimeoutError: bucket 0 of collective 'gradients' did not complete "
-             "within 5 s.")
+    cause = ("CollectiveTimeoutError: this rank posted gradients step 3 (1 bucket: allreduce "
+             "844 B float32) and waited 5 s for the other ranks to post theirs: a peer rank has "
+             "died, hangs, or runs a different program.")
     lines = result.stdout.rstrip().split("\n")
     assert lines[-1].startswith(f"tfposeidon-run: the job failed: rank 0: {cause}"), lines[-8:]
     rank0 = [line for line in lines if line.startswith("[1,0]<")]

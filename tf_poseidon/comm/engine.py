@@ -49,6 +49,8 @@ from tf_poseidon.comm.errors import CollectiveMismatchError, CollectiveTimeoutEr
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 DEFAULT_TIMEOUT_S = 120.0
+ENGINE_REPORT_GRACE_S = 2.0
+"""How much longer a graph op waits for a result than the engine waits for its peers."""
 
 
 def collective_timeout_s() -> float:
@@ -109,11 +111,15 @@ class CollectiveGroup:
 
         Called from graph ops (any thread but the engine's). Raises CollectiveTimeoutError
         after ``timeout_s`` (default: :func:`collective_timeout_s`), or re-raises the error
-        the engine met while running this bucket.
+        the engine met while running this bucket. The engine's own wait for its peers
+        (agreement.agree, which names the step a missing peer did not post) has the same
+        limit and starts first; this wait gives it ENGINE_REPORT_GRACE_S more to deliver
+        that error, so the precise message wins, and fails by itself only when the engine
+        thread is stuck inside MPI.
         """
         timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         try:
-            result = self._results[index].get(timeout=timeout_s)
+            result = self._results[index].get(timeout=timeout_s + ENGINE_REPORT_GRACE_S)
         except queue.Empty:
             raise CollectiveTimeoutError(
                 f"tf_poseidon: bucket {index} of collective {self.name!r} did not complete "
