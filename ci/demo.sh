@@ -7,7 +7,7 @@
 # installs into the same venv, removes it). Delete that file to force a reinstall.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras='.[cpu,examples]'
+extras='.[cpu]'
 stamp=.venv/.demo-installed
 digest=$(
     {

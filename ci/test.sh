@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv || exit 1
 rm -f .venv/.demo-installed  # ci/demo.sh's record of what it installed (see there)
 .venv/bin/pip install --quiet '.[test]' || exit 1
+# matplotlib for the tests that draw the benchmark chart, outside site-packages: where Keras can
+# import it, every rank of every test job imports it at start-up (tests/conftest.py: plotting).
+[ -d .venv/plotting/matplotlib ] ||
+    .venv/bin/pip install --quiet --target .venv/plotting 'matplotlib==3.11.2' || exit 1
 # The suite must run the compiled op: failing to build or load it is an error, not a fallback.
 TF_POSEIDON_REQUIRE_OPS=1 .venv/bin/pytest -p no:cacheprovider -rs --durations=15 tests "$@"
 status=$?

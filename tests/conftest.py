@@ -34,6 +34,27 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {meaning}")
 
 
+PLOTTING = os.path.join(sys.prefix, "plotting")
+"""Where ci/test.sh installs matplotlib: not in site-packages, because Keras imports matplotlib
+(and scikit-learn) at start-up wherever it can, and every rank of every test job would pay
+for it (README.md, "Development")."""
+
+
+@pytest.fixture
+def plotting_path(monkeypatch) -> str:
+    """A directory to add to PYTHONPATH for a process that draws charts ("" where matplotlib is
+    importable anyway); appended to this process's sys.path too. Fails where there is none."""
+    import importlib.util
+    if not os.path.isdir(os.path.join(PLOTTING, "matplotlib")):
+        if importlib.util.find_spec("matplotlib") is not None:
+            return ""
+        pytest.fail(f"matplotlib is needed: ci/test.sh installs it into {PLOTTING}, or "
+                    "pip install matplotlib")
+    # After site-packages: the numpy that pip put beside matplotlib must not shadow the venv's.
+    monkeypatch.setattr(sys, "path", [*sys.path, PLOTTING])
+    return PLOTTING
+
+
 @functools.cache
 def gpus_missing() -> str | None:
     """Why no GPU test can run here, or None when nvidia-smi lists a GPU."""

@@ -149,7 +149,7 @@ def test_goals_pick_the_best_poseidon_configuration():
     assert goal["goal_vs_mwms"] == report.GOAL_VS_MWMS_CNN
 
 
-def test_markdown_and_chart(tmp_path):
+def test_markdown_and_chart(tmp_path, plotting_path):
     run = {"command": "python -m benchmarks.suite --quick", "started": "t0", "finished": "t1",
            "status": "complete", "emulation": "test", "results": RESULTS,
            "environment": {"CPU": "test cpu"},
@@ -174,7 +174,6 @@ def test_markdown_and_chart(tmp_path):
     assert written.endswith("\n\n## Horovod\n\nhighwayhash\n") and "old results" not in written
     report.write_markdown(run, str(tmp_path / "new.md"))  # no document yet: title and block
     assert (tmp_path / "new.md").read_text().endswith(text)
-    pytest.importorskip("matplotlib")
     report.chart(run, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -194,7 +193,7 @@ def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
 
 
 @pytest.mark.multirank
-def test_tiny_unshaped_run_end_to_end(tmp_path):
+def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
     """One step of the tiny model on loopback: reference, MWMS and tf_poseidon DWBP."""
     # `python -m benchmarks.suite` as users run it, but from a directory that holds only the
     # benchmarks package: the suite and its ranks then import the same tf_poseidon as this
@@ -205,7 +204,9 @@ def test_tiny_unshaped_run_end_to_end(tmp_path):
          "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
          "1", "--timeout", "240", "--out", str(tmp_path), "--json",
          str(tmp_path / "run.json"), "--logs", str(tmp_path / "logs")],
-        cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.environ.get("PYTHONPATH"), plotting_path]))})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = json.loads((tmp_path / "run.json").read_text())
     assert run["status"] == "complete"

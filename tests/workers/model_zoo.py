@@ -5,8 +5,8 @@
 
 An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
 
-  bn_cnn       ResNet-style block (Conv2D + BatchNormalization, a residual Add) on sklearn's
-               8x8 digits, SGD with momentum; evaluated on held-out digits
+  bn_cnn       ResNet-style block (Conv2D + BatchNormalization, a residual Add) on the examples'
+               8x8 digits (examples/data/), SGD with momentum; evaluated on held-out digits
   transformer  encoder block: Embedding, MultiHeadAttention, LayerNormalization, Dense on 3-D
                inputs, Dropout; SGD with momentum
   rnn          GRU + LSTM sequence classifier, trained with class_weight
@@ -49,14 +49,17 @@ import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                os.pardir, "examples"))
+import train_digits  # noqa: E402
+
 SEED = 17
 
 
 # -- data (the same on every rank) ----------------------------------------------------------
 
 def digits():
-    from sklearn.datasets import load_digits
-    images, labels = load_digits(return_X_y=True)
+    images, labels = train_digits.load_digits()
     x = (images.reshape(-1, 8, 8, 1) / 16.0).astype("float32")
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], labels[order].astype("int32")
