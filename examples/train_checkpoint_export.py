@@ -1,4 +1,4 @@
-"""Train on scikit-learn's digits with checkpoints, resume at any number of ranks, export.
+"""Train on the digits (examples/data/) with checkpoints, resume at any number of ranks, export.
 
     tfposeidon-run -np 2 python examples/train_checkpoint_export.py --epochs 3
     tfposeidon-run -np 3 python examples/train_checkpoint_export.py --epochs 6 --resume

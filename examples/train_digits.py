@@ -21,29 +21,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
-
-
-DIGITS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "digits.csv.gz")
-
-
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """The 1797 digits (examples/data/README.md) as (images, labels): float64 pixel counts
-    in 0..16 of shape [1797, 8, 8], and int64 labels in 0..9."""
-    table = np.loadtxt(DIGITS, delimiter=",", dtype=np.int64)
-    return table[:, :-1].reshape(-1, 8, 8).astype(np.float64), table[:, -1]
-
-
-def load_data(seed: int = 0):
-    """Digits as (x_train, y_train, x_test, y_test): 8×8×1 float32 images in [0, 1], int32
-    labels; a quarter of each class, drawn with ``seed``, is the test set."""
-    images, labels = load_digits()
-    x, y = (images / 16.0).astype("float32")[..., None], labels.astype("int32")
-    rng = np.random.default_rng(seed)
-    test = np.zeros(len(y), bool)
-    for label in range(10):
-        members = rng.permutation(np.flatnonzero(y == label))
-        test[members[:round(len(members) / 4)]] = True
-    return x[~test], y[~test], x[test], y[test]
+from digits import load_data  # noqa: E402  (examples/digits.py)
 
 
 def build_model(kind: str = "cnn") -> keras.Model:

@@ -21,12 +21,12 @@ TOLERANCE = 1e-5
 FP16_TOLERANCE = 2e-2
 ACCURACY_POINTS = 0.01
 
-ONE = ["bn_cnn-sync", "transformer-sync", "rnn-sync", "wide_deep-sync", "mp_cnn-sync",
-       "mp_cnn-reordered", "accum-sync", "two_io-sync"]
+ONE = ["bn_cnn-sync", "transformer-sync", "rnn-sync", "wide_deep-sync", "wide_deep_sgd-sync",
+       "mp_cnn-sync", "mp_cnn-reordered", "accum-sync", "two_io-sync"]
 TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-fp16", "bn_cnn-ssp", "bn_cnn-easgd",
        "transformer-sync", "transformer-always", "transformer-fp16", "transformer-ssp",
-       "transformer-easgd", "rnn-sync", "wide_deep-sync", "mp_cnn-sync", "accum-sync",
-       "two_io-sync"]
+       "transformer-easgd", "rnn-sync", "wide_deep-sync", "wide_deep_sgd-sync", "mp_cnn-sync",
+       "accum-sync", "two_io-sync"]
 THREE = ["transformer-sync", "rnn-sync", "two_io-sync"]
 
 
@@ -94,7 +94,7 @@ def assert_equals_one_process(jobs, entry, ranks, reference_entry, keys, export=
 
 
 EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
-         ("wide_deep-sync", 2), ("two_io-sync", 2),
+         ("wide_deep-sync", 2), ("wide_deep_sgd-sync", 2), ("two_io-sync", 2),
          ("transformer-sync", 3), ("rnn-sync", 3), ("two_io-sync", 3)]
 
 
@@ -112,6 +112,15 @@ def test_sync_training_equals_one_process(jobs, entry, ranks):
 def test_evaluate_equals_one_process(jobs, entry, ranks):
     name, _ = entry.split("-")
     assert_equals_one_process(jobs, entry, ranks, f"{name}-sync", ["evaluation"])
+
+
+@pytest.mark.parametrize("entry", ["wide_deep-sync", "wide_deep_sgd-sync"])
+def test_embeddings_travel_as_sparse_rows(jobs, entry):
+    # The exactness above holds for the optimizer's sparse update only if the rows arrive as
+    # IndexedSlices: the plan must have chosen sparse rows for both tables.
+    plan = list(load(jobs(2), entry)["plan"])
+    embeddings = [row for row in plan if "embedding" in row]
+    assert len(embeddings) == 2 and all(row.endswith(" sparse") for row in embeddings), plan
 
 
 def test_mixed_precision_within_what_one_process_reproduces(jobs):

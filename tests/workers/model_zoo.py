@@ -11,7 +11,7 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
                inputs, Dropout; SGD with momentum
   rnn          GRU + LSTM sequence classifier, trained with class_weight
   wide_deep    a wide linear part and a deep part over one large Embedding (sparse gradients),
-               Adam
+               Adam; wide_deep_sgd the same with plain SGD
   mp_cnn       a CNN under the mixed_float16 policy (LossScaleOptimizer)
   accum        an MLP with gradient_accumulation_steps=2; the last global batch has one row,
                so a rank's last micro-batch is empty
@@ -31,8 +31,9 @@ has, so with rank 0's seed generator state every rank and one process drop the s
 Writes OUT/<entry>_rank<r>.npz: ``trainable``, ``non_trainable`` (concatenated, read inside
 the strategy's consistent_state), ``trainable_step12`` and ``non_trainable_step12`` (the same
 after the first 12 steps, where there are as many), ``loss`` (per epoch), ``evaluation`` and
-``initial_evaluation`` (before training; both sorted by metric name), ``predict_<output>``
-and, for the sync-mode variants, ``export_<output>``
+``initial_evaluation`` (before training; both sorted by metric name), ``predict_<output>``,
+``plan`` (sync variant, P > 1: "<variable> <protocol>" per row of strategy.plan()) and, for
+the sync-mode variants, ``export_<output>``
 (the exported SavedModel's serving signature run on the predict inputs; rank 0, which writes
 it). An entry that raises writes OUT/<entry>_rank<r>.error with the traceback instead.
 """
@@ -51,7 +52,7 @@ import tf_poseidon as tp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 os.pardir, "examples"))
-import train_digits  # noqa: E402
+import digits as digits_data  # noqa: E402  (examples/digits.py)
 
 SEED = 17
 
@@ -59,7 +60,7 @@ SEED = 17
 # -- data (the same on every rank) ----------------------------------------------------------
 
 def digits():
-    images, labels = train_digits.load_digits()
+    images, labels = digits_data.load_digits()
     x = (images.reshape(-1, 8, 8, 1) / 16.0).astype("float32")
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], labels[order].astype("int32")
@@ -174,15 +175,15 @@ def rnn():
     return model
 
 
-def wide_deep():
+def wide_deep(optimizer=None):
     ids = keras.Input((4,), dtype="int32", name="ids")
     wide = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20000, 1)(ids))
     deep = keras.layers.Flatten()(keras.layers.Embedding(20000, 16)(ids))
     deep = keras.layers.Dense(16, activation="relu")(deep)
     logit = keras.layers.Add()([wide, keras.layers.Dense(1)(deep)])
     model = keras.Model(ids, keras.layers.Activation("sigmoid", name="click")(logit))
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
-                  metrics=["accuracy"])
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01),
+                  loss="binary_crossentropy", metrics=["accuracy"])
     return model
 
 
@@ -233,6 +234,7 @@ def two_io():
 
 MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
           "rnn": (rnn, sequence_data), "wide_deep": (wide_deep, wide_deep_data),
+          "wide_deep_sgd": (lambda: wide_deep(keras.optimizers.SGD(0.5)), wide_deep_data),
           "mp_cnn": (mp_cnn, image_data), "accum": (accum, mlp_data),
           "two_io": (two_io, two_io_data)}
 
@@ -337,6 +339,9 @@ def run(entry: str, out: str) -> None:
         saved.update(trainable_step12=snapshot.weights[0],
                      non_trainable_step12=snapshot.weights[1])
     saved.update({f"predict_{k}": v for k, v in predictions.items()})
+    if tp.size() > 1 and variant == "sync":
+        saved["plan"] = np.array([f"{r.kernel} {r.choice}" for r in strategy.plan().rows] or
+                                 [""])
     if variant in EXPORTED:
         export_dir = os.path.join(out, f"{entry}_export")
         saved.update({f"export_{k}": v for k, v in
