@@ -267,6 +267,70 @@ class Bench:
         return runs
 
 
+def versus(args, bench: Bench, batch: int, variants: dict[str, tuple[dict, dict]]) -> dict:
+    """A protocol against its baseline (benchmarks/sfb.py, benchmarks/sparse.py), blocking:
+    for each ``--ranks``, on that many hosts at ``--bandwidth``, one tf_poseidon job per
+    variant (name → (worker flags, strategy options); the baseline first) at ``batch`` rows
+    per rank and, on the first cluster unless ``--no-single``, one process alone; each
+    ``--repeats`` times, interleaved. Returns {"bandwidth", "batch", "variants" (the names),
+    "runs": one dict of figures per run}."""
+    model = model_args(args) | {"batch": batch}
+    out = {"bandwidth": args.bandwidth, "batch": batch, "variants": list(variants), "runs": []}
+    for ranks in args.ranks:
+        jobs = {(name, ranks): Job("poseidon", ranks, model | flags, options)
+                for name, (flags, options) in variants.items()}
+        if ranks == args.ranks[0] and not args.no_single:
+            jobs = {("-", 1): Job("single", 1, model)} | jobs
+        with bench.hosts(ranks, args.bandwidth) as cluster:
+            runs = bench.repeat(cluster, {f"P={p} {v}": job for (v, p), job in jobs.items()},
+                                args.repeats)
+        for (variant, p), results in zip(jobs, runs.values()):
+            for r in results:
+                first = r["per_rank"][0]
+                step = max(statistics.median(x["step_times_s"]) for x in r["per_rank"])
+                tx = first.get("tx_bytes") if p > 1 else None
+                out["runs"].append({
+                    "ranks": p, "variant": variant, "step_time_s": step,
+                    "samples_per_s": batch * p / step,
+                    "eth0_tx_bytes_per_step": None if tx is None else tx / first["steps"],
+                    "stats_bytes_sent_per_step": first.get("poseidon_stats", {}).get(
+                        "bytes_sent"), "plan": first.get("plan", "")})
+    return out
+
+
+def versus_table(results: dict, column: str) -> list[str]:
+    """The table of :func:`versus`'s results: per world size and variant the run with the
+    median step time, its bytes and step time against the baseline's, and the plan of the
+    second variant."""
+    base, new = results["variants"][:2]
+    runs: dict = {}
+    for r in results["runs"]:
+        runs.setdefault((r["ranks"] == 1, r["ranks"], r["variant"]), []).append(r)
+    chosen = {key: next(r for r in group if r["step_time_s"] == statistics.median_low(
+        x["step_time_s"] for x in group)) for key, group in runs.items()}
+    mb = lambda value: "-" if value is None else f"{value / 1e6:.2f}"  # noqa: E731
+    lines = [f"{results['bandwidth']} per host, batch {results['batch']} per rank, one compute "
+             "thread per rank", "", f"| P | {column} | step (s) | samples/s | MB/step/rank "
+             f"(stats) | MB/step/rank (eth0 tx) | bytes {new}/{base} | speed-up {new}/{base} | "
+             "step of each run (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for (alone, ranks, variant), r in sorted(chosen.items()):
+        baseline, ratio, speedup = chosen.get((False, ranks, base)), "-", "-"
+        if variant == new and baseline:
+            ratio = f"{r['stats_bytes_sent_per_step'] / baseline['stats_bytes_sent_per_step']:.2%}"
+            if r["eth0_tx_bytes_per_step"] and baseline["eth0_tx_bytes_per_step"]:
+                eth0 = r["eth0_tx_bytes_per_step"] / baseline["eth0_tx_bytes_per_step"]
+                ratio += f" (eth0 {eth0:.2%})"
+            speedup = f"{baseline['step_time_s'] / r['step_time_s']:.2f}×"
+        each = ", ".join(f"{x['step_time_s']:.2f}" for x in runs[(alone, ranks, variant)])
+        lines.append(f"| {'1 (alone)' if alone else ranks} | {variant} | "
+                     f"{r['step_time_s']:.3f} | {r['samples_per_s']:.1f} | "
+                     f"{mb(r['stats_bytes_sent_per_step'])} | {mb(r['eth0_tx_bytes_per_step'])} "
+                     f"| {ratio} | {speedup} | {each} |")
+    return lines + [f"\nThe plan of {column}={new} at P={r['ranks']}:\n{r['plan']}"
+                    for (_, _, variant), r in sorted(chosen.items()) if variant == new
+                    and r["plan"]]
+
+
 def feature_main(argv, doc: str, measure, table, emulated: bool = True,
                  choices: dict | None = None, **defaults) -> int:
     """The command line of a per-feature benchmark (``doc``: its docstring, whose first two

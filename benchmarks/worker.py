@@ -116,9 +116,22 @@ def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
         args.model]
     model = models.build(spec)
     if compiled:
-        model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=False,
+        model.compile(optimizer=(DenseGradientsSGD if args.dense_gradients else
+                                 keras.optimizers.SGD)(0.01), jit_compile=False,
                       loss="sparse_categorical_crossentropy")
     return model, models.synthetic_batch(spec, rows, seed)
+
+
+def DenseGradientsSGD(learning_rate: float):
+    """SGD that turns sparse gradients (IndexedSlices) into dense tensors before applying
+    them, as Horovod's ``sparse_as_dense=True`` does: the dense path of benchmarks/sparse.py."""
+    import keras
+    import tensorflow as tf
+
+    class Densifying(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            return super().apply([tf.convert_to_tensor(g) for g in grads], trainable_variables)
+    return Densifying(learning_rate)
 
 
 def fit(model, batch, clock: Clock) -> None:
@@ -260,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
     p.add_argument("--straggler", help="the slowed rank, or moving")
     p.add_argument("--spin", action="store_true")
+    p.add_argument("--dense-gradients", action="store_true", help="apply sparse gradients "
+                   "as dense tensors (DenseGradientsSGD)")
     p.add_argument("--codecs", nargs="+", default=["mpi"])
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
                           ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500)):
