@@ -20,8 +20,8 @@ def train(tmp_path_factory, num_ranks, *args):
     return out
 
 
-def weights(out, rank=0):
-    return np.load(out / f"rank{rank}.npz")["weights"]
+def weights(out, rank=0, feature="plain"):
+    return np.load(out / f"{feature}_rank{rank}.npz")["weights"]
 
 
 def max_difference(a, b):
@@ -40,7 +40,7 @@ def test_overlap_and_no_overlap_give_the_same_weights(tmp_path_factory, overlapp
 
 
 def test_stats_report_buckets_layers_bytes_and_times(overlapped):
-    stats = json.loads((overlapped / "stats_rank0.json").read_text())
+    stats = json.loads((overlapped / "plain_stats_rank0.json").read_text())
     assert len(stats["steps"]) == 22
     step = stats["steps"][-1]
     assert [b["index"] for b in step["buckets"]] == [0, 1, 2]
@@ -68,15 +68,20 @@ def test_timeline_is_a_chrome_trace_with_every_rank_and_bucket(overlapped):
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"rank 0", "rank 1"}
 
 
-@pytest.mark.parametrize("options", [
-    ["--steps-per-execution", "4"],
-    ["--clipnorm", "0.05"],
-    ["--global-clipnorm", "0.1"],
-    ["--frozen"],
-], ids=["steps_per_execution", "clipnorm", "global_clipnorm", "no_gradient_variable"])
-def test_keras_gradient_features_match_one_process(tmp_path_factory, options):
+KERAS_FEATURES = ["steps_per_execution", "clipnorm", "global_clipnorm", "no_gradient_variable"]
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    """World size (0: one plain process) -> the output of one job that fits once per feature."""
+    every = ["--features", ",".join(KERAS_FEATURES)]
+    return {0: train(tmp_path_factory, 0, *every),
+            2: train(tmp_path_factory, 2, *SMALL_BUCKETS, *every)}
+
+
+@pytest.mark.parametrize("feature", KERAS_FEATURES)
+def test_keras_gradient_features_match_one_process(features, feature):
     # Clipping sees the reduced gradient (as one process clips the whole batch's gradient).
-    single = train(tmp_path_factory, 0, *options)
-    two = train(tmp_path_factory, 2, *SMALL_BUCKETS, *options)
     for rank in range(2):
-        assert max_difference(weights(single), weights(two, rank)) <= 1e-5
+        assert max_difference(weights(features[0], feature=feature),
+                              weights(features[2], rank, feature)) <= 1e-5
