@@ -62,14 +62,21 @@ def test_fit_with_ranks_left_without_rows(tmp_path_factory):
                     ["weights", "loss", "accuracy", "predictions"])
 
 
-@pytest.mark.parametrize("source", ["distribute_dataset", "datasets_from_function"])
-def test_custom_loop_matches_one_process(tmp_path_factory, source):
-    args = ["--configs", "mlp-sgd,cnn-adam", "--rows", "965", "--custom-loop"]
-    if source == "datasets_from_function":
-        args.append("--from-function")
-    single = train(tmp_path_factory, 0, *args)
-    three = train(tmp_path_factory, 3, *args)
-    for config in ("mlp-sgd", "cnn-adam"):
+LOOP_CONFIGS = {"distribute_dataset": ["mlp-sgd@loop", "cnn-adam@loop"],
+                "datasets_from_function": ["mlp-sgd@function", "cnn-adam@function"]}
+
+
+@pytest.fixture(scope="module")
+def custom_loops(tmp_path_factory):
+    """World size (0: one plain process) -> the output of one job running every custom loop."""
+    args = ["--configs", ",".join(sum(LOOP_CONFIGS.values(), [])), "--rows", "965"]
+    return {ranks: train(tmp_path_factory, ranks, *args) for ranks in (0, 3)}
+
+
+@pytest.mark.parametrize("source", list(LOOP_CONFIGS))
+def test_custom_loop_matches_one_process(custom_loops, source):
+    for config in LOOP_CONFIGS[source]:
         for rank in range(3):
             # strategy.run + GradientTape + apply_gradients; strategy.reduce of the loss.
-            assert_same(load(single, config, 0), load(three, config, rank), ["weights", "loss"])
+            assert_same(load(custom_loops[0], config, 0), load(custom_loops[3], config, rank),
+                        ["weights", "loss"])

@@ -1,8 +1,10 @@
 """Worker for the exactness tests: trains several small models, saves what the tests compare.
 
 Run under mpirun (or alone). Every rank seeds with its own rank, so rank 0's initial values
-must reach the others for them to train in lockstep. Writes, on every rank,
-OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions.
+must reach the others for them to train in lockstep. A configuration is MODEL-OPTIMIZER
+(``mlp-sgd``: Keras fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
+``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. Writes, on every
+rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions.
 """
 
 import argparse
@@ -100,16 +102,16 @@ def main():
     parser.add_argument("--configs", default="mlp-sgd,mlp-adam,cnn-sgd,cnn-adam")
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--custom-loop", action="store_true")
-    parser.add_argument("--from-function", action="store_true")
     args = parser.parse_args()
     keras.utils.set_random_seed(100 + tp.rank())
     strategy = tp.PoseidonStrategy()
     for config in args.configs.split(","):
-        kind, opt = config.split("-")
+        model, _, loop = config.partition("@")
+        kind, opt = model.split("-")
         out = os.path.join(args.out, f"{config}_rank{tp.rank()}.npz")
-        if args.custom_loop:
-            run_custom_loop(strategy, kind, opt, args.rows, args.epochs, out, args.from_function)
+        if loop:
+            run_custom_loop(strategy, kind, opt, args.rows, args.epochs, out,
+                            from_function={"loop": False, "function": True}[loop])
         else:
             run_fit(strategy, kind, opt, args.rows, args.epochs, out)
     print(f"rank {tp.rank()} done", flush=True)
