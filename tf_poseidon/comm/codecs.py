@@ -179,6 +179,7 @@ class HalfPrecision(Codec):
     in bfloat16 too (step 3 without the pass back to float32; the device unpacks it). fp16's
     ``pack_dtype`` stays float32: its scale (step 1) needs every rank's largest magnitude
     before the conversion (docs/kernels.md).
+
     ``encode`` of a single block (SFB's factors) scales fp16 by a power of two (exact to undo)
     that brings its largest magnitude to at most FP16_MAX / 2.
     """
