@@ -167,7 +167,8 @@ def eager_group_sums(comm, protocol_class, compression):
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
-def test_eager_buckets_packed_on_the_device_give_the_host_forms_sums(compression):
+def test_eager_buckets_packed_on_the_device_give_the_host_forms_sums(monkeypatch, compression):
+    monkeypatch.setenv(datapath.DEVICE_PACK_ENV, "0")  # AllReduce keeps the host form
     host = LoopbackWorld(3).run(lambda comm: eager_group_sums(comm, AllReduce, compression))
     device = LoopbackWorld(3).run(lambda comm: eager_group_sums(comm, DevicePacked, compression))
     for (host_sums, host_records), (device_sums, device_records) in zip(host, device):
