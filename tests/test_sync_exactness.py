@@ -4,7 +4,11 @@ Real jobs: tests/workers/train_configs.py trains each configuration under tfpose
 P = 2 and 3 and as a plain process, every rank seeded differently (so rank 0's initial values
 must reach the others). The data set size is not a multiple of B: the last global batch is
 short and split unevenly (or, at P=3 with a 1-row remainder, leaves two ranks with no rows).
+tests/workers/datapath_train.py trains with buckets packed on the host and on the device
+(comm/datapath.py), which must give the same bits.
 """
+
+import json
 
 import numpy as np
 import pytest
@@ -80,3 +84,23 @@ def test_custom_loop_matches_one_process(custom_loops, source):
             # strategy.run + GradientTape + apply_gradients; strategy.reduce of the loss.
             assert_same(load(custom_loops[0], config, 0), load(custom_loops[3], config, rank),
                         ["weights", "loss"])
+
+
+def test_buckets_packed_on_the_device_give_the_host_paths_weights_bit_for_bit(tmp_path):
+    # tests/workers/datapath_train.py: per configuration, fit with TF_POSEIDON_DEVICE_PACK=0
+    # and =1 (the device path's code with the CPU kernels), a bfloat16 and float32 layers in
+    # small buckets, an unevenly split last batch (batch-share weighting).
+    check(run_job(2, "datapath_train.py", str(tmp_path))[0])
+    for rank in range(2):
+        weights = np.load(tmp_path / f"datapath_rank{rank}.npz")
+        packs = json.loads((tmp_path / f"datapath_rank{rank}.json").read_text())
+        for config in ("none", "bf16", "fp16", "none-no-overlap"):
+            traced = packs[f"{config}/1"]  # gradients' buckets, and the metrics' (float32)
+            assert packs[f"{config}/0"] == [] and len(traced) > 1
+            if config == "bf16":
+                assert "bfloat16" in traced  # the cast fused into the pack
+            else:
+                assert set(traced) == {"float32"}  # fp16: scaled and cast on the host
+            assert weights[f"{config}/1"].tobytes() == weights[f"{config}/0"].tobytes(), config
+            other = np.load(tmp_path / f"datapath_rank{1 - rank}.npz")
+            assert weights[f"{config}/1"].tobytes() == other[f"{config}/1"].tobytes()

@@ -11,7 +11,10 @@ sum it implies). It declares
 * ``sum_into(comm, payload, out)``: a bucket's sum over ranks. The base class implements it from
   ``encode``/``decode`` (all-to-all of encoded segments, float32 sums, all-gather of the encoded
   sums: every rank decodes the same bytes, so every rank gets the same result); a codec may
-  override it with something faster.
+  override it with something faster;
+* ``pack_dtype``: the dtype in which a float32 bucket packed on its device (comm/datapath.py)
+  reaches ``sum_into``: float32, or the wire dtype where converting to it needs nothing from
+  the other ranks (bf16), so that the conversion runs on the device, fused into the pack.
 
 ``PoseidonStrategy(compression=...)`` takes a registered name (``"none"``, ``"fp16"``,
 ``"bf16"``) or a Codec instance; :func:`register` adds a name. A codec outside the package is a
@@ -55,6 +58,7 @@ class Codec:
     name: str = ""
     wire_dtype: np.dtype = np.dtype(np.float32)
     meta_size: int = 0
+    pack_dtype: np.dtype = np.dtype(np.float32)
 
     @property
     def bytes_per_element(self) -> float:
@@ -72,9 +76,10 @@ class Codec:
         raise NotImplementedError
 
     def sum_into(self, comm, payload: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Collective: the sum over ranks of the 1-D float ``payload`` into ``out`` (same size;
-        may be ``payload`` itself), identical on every rank; returns ``out``. ``payload`` is
-        left as it is unless it is ``out``. Raises TypeError for a non-float payload."""
+        """Collective: the sum over ranks of the 1-D float ``payload`` into ``out`` (same size
+        and dtype; may be ``payload`` itself), identical on every rank; returns ``out``.
+        ``payload`` is float32, float64 or ``pack_dtype``, and is left as it is unless it is
+        ``out``. Raises TypeError for a non-float payload."""
         if payload.dtype != np.float32:
             return _through_float32(self, comm, payload, out)
         size, n = comm.Get_size(), payload.size
@@ -152,7 +157,7 @@ class Exact(Codec):
 class HalfPrecision(Codec):
     """``"fp16"`` and ``"bf16"``: 16 bits on the wire, sums in float32.
 
-    ``sum_into``:
+    ``sum_into`` of a float32 payload:
 
     1. scale (fp16 only): every rank takes the same per-bucket scale ``s = LIMIT / (P·amax)``,
        with ``amax`` the largest magnitude of the bucket over all ranks (one 8-byte
@@ -167,6 +172,14 @@ class HalfPrecision(Codec):
 
     Bytes per rank: (P-1)/P·n·2 in each of steps 2 and 3, half of the float32 ring's. The passes
     are the kernels' loops (tf_poseidon/host_kernels.py) into wire buffers kept between calls.
+
+    bf16's ``pack_dtype`` is bfloat16: a bucket packed on its device arrives already converted
+    (``ops.pack`` rounds float32 to nearest even, as the host conversion of step 2 does, so
+    these are the same bits), is copied into the wire buffer as it is, and its sum is returned
+    in bfloat16 too (step 3 without the pass back to float32; the device unpacks it). fp16's
+    ``pack_dtype`` stays float32: its scale (step 1) needs every rank's largest magnitude
+    before the conversion (docs/kernels.md).
+
     ``encode`` of a single block (SFB's factors) scales fp16 by a power of two (exact to undo)
     that brings its largest magnitude to at most FP16_MAX / 2.
     """
@@ -177,6 +190,7 @@ class HalfPrecision(Codec):
         self.name = name
         self.wire_dtype = np.dtype(wire_dtype)
         self.scaled = scaled
+        self.pack_dtype = np.dtype(np.float32) if scaled else self.wire_dtype
         self._buffers: dict[str, np.ndarray] = {}
 
     def _scratch(self, name: str, size: int) -> np.ndarray:
@@ -198,13 +212,16 @@ class HalfPrecision(Codec):
         return min(FP16_LIMIT / (comm.Get_size() * amax), MAX_SCALE)
 
     def sum_into(self, comm, payload: np.ndarray, out: np.ndarray) -> np.ndarray:
-        if payload.dtype != np.float32:
+        if payload.dtype not in (np.float32, self.pack_dtype):
             return _through_float32(self, comm, payload, out)
         size, n = comm.Get_size(), payload.size
         segment = -(-n // size)
         scale = self._global_scale(comm, payload)
         packed = self._scratch("packed", segment * size)
-        host_kernels.convert(payload, packed[:n], scale)
+        if payload.dtype == self.wire_dtype:  # converted on the device (unscaled: bf16)
+            packed[:n] = payload
+        else:
+            host_kernels.convert(payload, packed[:n], scale)
         packed[n:] = 0
         mine = self._scratch("mine", segment * size)
         comm.Alltoall(_bytes(packed), _bytes(mine))
@@ -212,7 +229,10 @@ class HalfPrecision(Codec):
         host_kernels.sum_chunks(mine.reshape(size, segment), summed)
         gathered = self._scratch("gathered", segment * size)
         comm.Allgather(_bytes(summed), _bytes(gathered))
-        host_kernels.convert(gathered[:n], out, 1.0 / scale)
+        if out.dtype == self.wire_dtype:
+            out[...] = gathered[:n]
+        else:
+            host_kernels.convert(gathered[:n], out, 1.0 / scale)
         return out
 
     def wire_bytes(self, num_elements: int, size: int,

@@ -1,11 +1,13 @@
 """The graph side of the engine: ops that hand buckets to it and bring results back.
 
 :func:`run_buckets` is the one choreography every reduction and gather goes through. Per
-bucket, two ops:
+bucket, the protocol's graph side (``graph_side``: the host or the device form of an all-reduce
+bucket, comm/datapath.py) first makes the enqueue op's inputs (its ``stage``: the members'
+tensors, or one buffer packed on their device), then two ops:
 
-* ``enqueue``: a non-blocking op. It runs as soon as the bucket's tensors exist (and the
-  previous bucket was handed over), packs them into one payload (the bucket protocol's
-  ``pack``), hands it to the engine and returns a scalar int64 *token*.
+* ``enqueue``: a non-blocking op. It runs as soon as its inputs exist (and the previous
+  bucket was handed over), packs them into one payload (the protocol's ``pack``), hands it to
+  the engine and returns a scalar int64 *token*.
 * ``collect``: takes *all* tokens of the group as inputs and blocks until the bucket's result
   is there (the protocol's ``receive``). Because it depends on every token, no inter-op thread
   blocks before the whole group has been handed over — otherwise, with only as many inter-op
@@ -117,7 +119,7 @@ def run_buckets(engine: engine_lib.CommEngine, sequencer: Sequencer,
         positions index ``inputs``) and the protocol of each kind. A group made once and run
         on every trace keeps counting its instances across retraces (SSP's exchange does).
       inputs: per member, the tensors its protocol packs (an all-reduce member: one tensor
-        with a static shape).
+        with a static shape), on the device they were computed on.
       wait_for: tensors every enqueue must wait for (``overlap=False`` passes all gradients
         here, so nothing is sent before the backward pass ends).
 
@@ -126,15 +128,18 @@ def run_buckets(engine: engine_lib.CommEngine, sequencer: Sequencer,
       tensor of its shape and dtype). Works eagerly (blocks until done) and in graphs (the
       collect ops block when run, at most the collective timeout).
     """
+    sides, tokens = [], []
     with tf.control_dependencies(list(wait_for)):
-        tokens = [enqueue(engine, group, bucket,
-                          [t for i in bucket.members for t in inputs[i]], sequencer,
-                          group.protocols[bucket.kind].pack) for bucket in group.buckets]
+        for bucket in group.buckets:
+            tensors = [t for i in bucket.members for t in inputs[i]]
+            side = group.protocols[bucket.kind].graph_side(bucket, tensors)
+            sides.append(side)
+            tokens.append(enqueue(engine, group, bucket, side.stage(bucket, tensors),
+                                  sequencer, side.pack))
     results: list[Any] = [None] * len(inputs)
-    for bucket in group.buckets:
-        protocol = group.protocols[bucket.kind]
-        outputs = collect(group, bucket, tokens, protocol, sequencer)
-        finished = protocol.finish(bucket, outputs, [inputs[i] for i in bucket.members])
+    for bucket, side in zip(group.buckets, sides):
+        outputs = collect(group, bucket, tokens, side, sequencer)
+        finished = side.finish(bucket, outputs, [inputs[i] for i in bucket.members])
         for position, result in zip(bucket.members, finished):
             results[position] = result
     return results

@@ -4,8 +4,13 @@ A :class:`BucketProtocol` is PyTorch DDP's communication hook ``(state, bucket) 
 with its graph side attached: the protocol object is the hook's state, and every call gets the
 bucket with its identity. For a bucket of its ``kind`` it says
 
+* in the graph, when the step is traced: ``graph_side`` — which protocol object's graph side
+  (the methods below but ``run``) carries the bucket in this trace, from the members' input
+  tensors (default: itself; an all-reduce bucket of tensors on a GPU: ``DevicePacked``), and
+  that one's ``stage`` — the enqueue op's inputs, made from the members' tensors on their
+  device (default: the tensors themselves);
 * on a TensorFlow thread, inside the bucket's *enqueue* op (graph_ops.py): ``pack`` — the
-  members' input arrays to the payload handed to the engine (a copy: TensorFlow may reuse the
+  values of those inputs to the payload handed to the engine (a copy: TensorFlow may reuse the
   inputs' memory once the op returns);
 * on the engine thread: ``run(comm, call)`` — the collective on that payload, returning a
   :class:`BucketResult`: the value handed back and the bytes it moved (``call`` names the
@@ -16,10 +21,12 @@ bucket with its identity. For a bucket of its ``kind`` it says
   caller's algorithm needs: SFB's gathered factors).
 
 ``graph_ops.run_buckets`` runs a planned group of buckets with one protocol per kind;
-``AllReduce`` (sum, through a codec) and ``AllGather`` (rows of every rank) are here, the other
-protocols beside what they serve (tf_poseidon/sfb/protocol.py, algorithms/ssp.py). A new
-protocol is one subclass: ``kind``, ``run``, and whichever graph-side methods differ from the
-defaults (concatenate the members, one piece per member, reshape to the member's tensor).
+``AllReduce`` (sum, through a codec) with its device form ``DevicePacked`` (comm/datapath.py
+says when each is used) and ``AllGather`` (rows of every rank) are here, the other protocols
+beside what they serve (tf_poseidon/sfb/protocol.py, algorithms/ssp.py). A new protocol is one
+subclass: ``kind``, ``run``, and whichever graph-side methods differ from the defaults (the
+members' tensors as they are, concatenated on the host, one piece per member, reshaped to the
+member's tensor).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon.comm import collectives
+from tf_poseidon import ops
+from tf_poseidon.comm import collectives, datapath
 from tf_poseidon.comm.buckets import Bucket, aligned_empty, member_slices
 from tf_poseidon.comm.codecs import Codec
 
@@ -72,8 +80,22 @@ class BucketProtocol:
         same bucket in the same order. Blocks until done."""
         raise NotImplementedError
 
+    def graph_side(self, bucket: Bucket, tensors: Sequence[tf.Tensor]) -> "BucketProtocol":
+        """Trace time: the protocol whose graph side (``stage``, ``pack``, ``outputs``,
+        ``receive``, ``finish``) carries ``bucket`` in this trace, given the members' input
+        ``tensors`` (member order); default ``self``. The engine runs the bucket with the
+        group's protocol for its kind whatever this returns, so that protocol's ``run`` must
+        take the payload of every graph side it hands out."""
+        return self
+
+    def stage(self, bucket: Bucket, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Graph, beside the members' tensors (on their device): the enqueue op's inputs,
+        which TensorFlow copies to host memory for it; default the tensors themselves."""
+        return list(tensors)
+
     def pack(self, bucket: Bucket, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """TF thread: the payload of ``arrays`` (the members' inputs, in member order)."""
+        """TF thread: the payload of ``arrays`` (the values of ``stage``'s tensors; by default
+        the members' inputs, in member order), concatenated in the bucket's payload dtype."""
         payload = aligned_empty(sum(a.size for a in arrays), bucket.payload_dtype)
         if arrays:
             np.concatenate([np.asarray(a, bucket.payload_dtype).ravel() for a in arrays],
@@ -102,18 +124,69 @@ class BucketProtocol:
 
 class AllReduce(BucketProtocol):
     """Sums the bucket over all ranks through ``codec`` (exact, or 16 bits on the wire);
-    every rank gets the same sums, in the members' shapes and dtypes."""
+    every rank gets the same sums, in the members' shapes and dtypes.
+
+    Its graph side (the host form) packs the members on the host; ``graph_side`` hands a
+    bucket of tensors on a GPU (or every float bucket, with ``TF_POSEIDON_DEVICE_PACK=1``) to
+    ``DevicePacked``, which packs them on their device (comm/datapath.py). The same bits
+    travel either way.
+    """
 
     kind = "allreduce"
 
     def __init__(self, codec: Codec):
         self.codec = codec
 
+    def graph_side(self, bucket: Bucket, tensors: Sequence[tf.Tensor]) -> BucketProtocol:
+        return DevicePacked(self.codec) if datapath.packs_on_device(tensors) else self
+
     def run(self, comm, call: BucketCall) -> BucketResult:
+        """Engine thread: sums ``call.payload`` in place — the members' values in the bucket's
+        payload dtype (host form) or in the codec's ``pack_dtype`` (device form) — and hands
+        back the sums in that dtype."""
         payload = call.payload
         self.codec.sum_into(comm, payload, payload)
-        return BucketResult(payload, *self.codec.wire_bytes(payload.size, comm.Get_size(),
-                                                              payload.dtype))
+        sent = self.codec.wire_bytes(payload.size, comm.Get_size(), payload.dtype)
+        return BucketResult(payload, *sent,
+                            tuple(n * payload.itemsize for n in call.bucket.sizes))
+
+
+class DevicePacked(AllReduce):
+    """The device form of an all-reduce bucket's graph side (comm/datapath.py).
+
+    ``stage``: ``ops.pack`` of the members into one 1-D buffer of the codec's ``pack_dtype``
+    (float32; bfloat16 for ``compression="bf16"``, the cast fused into the pack), placed with
+    the members (the replica's device), the enqueue op's only input: TensorFlow copies it to
+    host memory once. The collect op returns the summed buffer, in the same dtype, as one
+    tensor, and ``finish`` unpacks it with ``ops.unpack`` into the members' shapes and dtypes,
+    in the graph, so on the device again. Members must be float32, float16 or bfloat16 (what
+    ``ops.pack`` takes). Used as a group's protocol itself, it packs every bucket so.
+    """
+
+    def graph_side(self, bucket: Bucket, tensors: Sequence[tf.Tensor]) -> BucketProtocol:
+        return self
+
+    def stage(self, bucket: Bucket, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        return [ops.pack(tensors, tf.as_dtype(self.codec.pack_dtype))]
+
+    def pack(self, bucket: Bucket, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """TF thread: a copy of the packed buffer as it is (no conversion)."""
+        [packed] = arrays
+        payload = aligned_empty(packed.size, packed.dtype)
+        payload[...] = packed
+        return payload
+
+    def outputs(self, bucket: Bucket) -> list[tuple[tf.DType, list]]:
+        return [(tf.as_dtype(self.codec.pack_dtype), [bucket.num_elements])]
+
+    def receive(self, group, bucket: Bucket) -> list[np.ndarray]:
+        return [group.wait_result(bucket.index)]
+
+    def finish(self, bucket: Bucket, outputs: Sequence[tf.Tensor],
+               inputs: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+        [flat] = outputs
+        return ops.unpack(flat, [member[0].shape for member in inputs],
+                          [member[0].dtype for member in inputs])
 
 
 class AllGather(BucketProtocol):
