@@ -271,7 +271,7 @@ def markdown(run: dict) -> str:
            "configurations do with a core or more per rank, the compute-heavy CNNs most.", ""]
           if busy else []),
         "## Goals", "", "Best tf_poseidon configuration at each number of hosts and link; "
-        "goals: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "
+        "targets: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "
         "process, step time ≤ 1.2× the compute-only step.", "", *goal_table(goals(rows)), "",
         *([f"**Not a verdict:** " + ", ".join(
             f"{_title(g['model'])} ({link_label(g['bandwidth'], g['ranks'])}, {g['best']})"
@@ -301,8 +301,8 @@ def write_markdown(run: dict, path: str) -> None:
 
 
 def chart(run: dict, path: str) -> None:
-    """A PNG of samples/s: a panel per model, a bar per configuration grouped by hosts × link
-    (0 and gray text if it did not run), one process dashed across the panel, P processes
+    """A PNG of samples/s: a panel per model, a bar per distributed configuration of the run
+    grouped by hosts × link (0 and gray text if it did not run), one process dashed across the panel, P processes
     without communication dotted over their group. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
@@ -310,7 +310,8 @@ def chart(run: dict, path: str) -> None:
     rows = derive(run["results"])
     models = [m for m in MODELS if any(r["model"] == m for r in rows)] or ["fc"]
     fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)
-    names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")]
+    names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")
+             and any(r["config"] == c.name for r in rows)]
     width = 0.8 / len(names)
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
