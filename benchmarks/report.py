@@ -216,7 +216,7 @@ def _goal(g: dict, key: str, sense: str) -> str:
 
 def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
     """The results as table lines (markdown, or aligned plain text for the console)."""
-    return _table(["model", "hosts × link", "configuration", "samples/s", "step s",
+    return table(["model", "hosts × link", "configuration", "samples/s", "step s",
                    "× compute", "× MWMS", "wire MB/step", "floor s", "load", "notes"], [
         [_title(r["model"]), link_label(r["bandwidth"], r["ranks"]), r["config"],
          _num(r.get("samples_per_s"), ".1f"), _num(r.get("step_s"), ".3f"),
@@ -227,7 +227,7 @@ def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
 
 
 def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
-    return _table(["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
+    return table(["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
                    "vs one process", "vs P processes, no comm.", "step ÷ compute-only step",
                    "step ÷ floor"], [
         [_title(g["model"]), link_label(g["bandwidth"], g["ranks"]), g["best"] or
@@ -237,10 +237,12 @@ def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
         markdown)
 
 
-def _table(head: list[str], body: list[list[str]], markdown: bool) -> list[str]:
+def table(head: list[str], body: list[list], markdown: bool = True) -> list[str]:
+    """The lines of a table (every benchmark's): markdown (a ``|`` in a cell escaped), or
+    aligned plain text for the console; a cell is shown by str()."""
     if markdown:
         return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + [
-            "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+            "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in body]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa
     return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]

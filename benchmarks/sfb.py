@@ -19,8 +19,8 @@ from benchmarks import runner
 
 
 def measure(args, bench: runner.Bench) -> dict:
-    return runner.versus(args, bench, 32, {"never": ({}, {"sfb": "never"}),
-                                           "auto": ({}, {"sfb": "auto"})})
+    return runner.versus(args, bench, {"never": ({}, {"sfb": "never"}),
+                                       "auto": ({}, {"sfb": "auto"})})
 
 
 def table(results: dict) -> list[str]:
@@ -30,7 +30,7 @@ def table(results: dict) -> list[str]:
 def main(argv=None) -> int:
     return runner.feature_main(argv, __doc__, measure, table, choices={"model": ["fc", "mlp"]},
                                ranks=[2, 4], bandwidth="1gbit", steps=4, warmup=2, repeats=1,
-                               model="fc", width=4096, layers=3, no_single=False)
+                               model="fc", width=4096, layers=3, batch=32, no_single=False)
 
 
 if __name__ == "__main__":

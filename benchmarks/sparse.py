@@ -20,8 +20,8 @@ from benchmarks import runner
 
 
 def measure(args, bench: runner.Bench) -> dict:
-    return runner.versus(args, bench, args.batch, {"dense": ({"dense_gradients": True}, {}),
-                                                   "sparse": ({}, {})})
+    return runner.versus(args, bench, {"dense": ({"dense_gradients": True}, {}),
+                                       "sparse": ({}, {})})
 
 
 def table(results: dict) -> list[str]:

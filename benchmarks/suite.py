@@ -24,7 +24,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 
 from benchmarks import report, runner
@@ -74,17 +73,15 @@ def plan(settings: dict) -> list[tuple[int, str | None, str, Config]]:
         if c.kind != "single"]
 
 
-def run_suite(settings: dict, emulate: bool, emulation: str, save, command: str,
-              say=print) -> dict:
+def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command: str) -> dict:
     """Runs every planned configuration, ``save(run)`` after each; returns the run dict.
     Ctrl-C (or SIGTERM/SIGHUP while a cluster is open) ends it, status "interrupted", after
     saving what was measured."""
     run = {"command": command, "started": _now(), "finished": None, "status": "running",
            "settings": settings, "environment": environment(), "emulation": emulation,
            "results": []}
-    os.makedirs(settings.get("logs") or tempfile.gettempdir(), exist_ok=True)
-    logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=settings.get("logs"))
-    say(f"Logs of every configuration: {logs}")
+    say = bench.say
+    say(f"Logs of every configuration: {bench.logs}")
     todo, t0, current = plan(settings), time.monotonic(), None
     try:
         for ranks, bw in dict.fromkeys((ranks, bw) for ranks, bw, _, _ in todo):
@@ -103,17 +100,14 @@ def run_suite(settings: dict, emulate: bool, emulation: str, save, command: str,
             save(run)
             if not pending:
                 continue
-            with runner.hosts(ranks, bw, emulate and ranks > 1) as cluster:
+            with bench.hosts(ranks, bw) as cluster:
                 for where, model, config in pending:
                     current = {"model": model, "config": config.name, "ranks": ranks,
                                "bandwidth": bw}
                     say(f"[{_clock(t0)}] {where} {config.name} — {config.label}")
-                    done = runner.run(job_for(config, model, ranks, settings), cluster,
-                                      settings["timeout"], logs, say)
-                    result = current | {"status": done["status"], "message": done["message"]}
-                    if done["status"] == "ok":
-                        result.update(runner.aggregate(done["per_rank"], settings["batch"]))
-                    run["results"].append(result | {"wall_s": done["wall_s"], "log": done["log"]})
+                    done = bench.run(cluster, job_for(config, model, ranks, settings), True)
+                    run["results"].append(current | {k: v for k, v in done.items()
+                                                     if k != "per_rank"})
                     current = None
                     say(f"      → {_summary(run['results'][-1])}")
                     save(run)
@@ -284,8 +278,9 @@ def main(argv=None) -> int:
     settings["bandwidths"] = settings["bandwidths"] if emulate else [None]
     command = "python -m benchmarks.suite " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(f"Emulation: {emulation}", flush=True)
-    run = run_suite(settings, emulate, emulation, save, command.strip(),
-                    lambda text: print(text, flush=True))
+    bench = runner.Bench(emulate, settings["timeout"], settings["logs"],
+                         lambda text: print(text, flush=True))
+    run = run_suite(settings, bench, emulation, save, command.strip())
     print_tables(run)
     print(f"\nWrote {out}/benchmarks.md, {out}/benchmarks.png, {json_path}")
     return 130 if run["status"] == "interrupted" else 0

@@ -84,7 +84,7 @@ def test_plan_runs_references_first_then_each_cluster():
 
 
 def rank_file(rank, window, steps=4, tx=1e9, stats=None, start=100.0):
-    r = {"rank": rank, "steps": steps, "window_s": window, "host": f"host{rank}",
+    r = {"rank": rank, "batch": 32, "steps": steps, "window_s": window, "host": f"host{rank}",
          "start_s": start, "end_s": start + window,
          "step_times_s": [window / steps] * steps, "first_step_s": 9.0, "tx_bytes": tx,
          "rx_bytes": tx, "affinity_cpus": 2, "loadavg": 1.5}
@@ -94,8 +94,7 @@ def rank_file(rank, window, steps=4, tx=1e9, stats=None, start=100.0):
 
 
 def test_aggregate_counts_all_samples_over_the_slowest_rank():
-    out = runner.aggregate([rank_file(1, 8.0, tx=2e9, start=101.0), rank_file(0, 4.0)],
-                           batch=32)
+    out = runner.aggregate([rank_file(1, 8.0, tx=2e9, start=101.0), rank_file(0, 4.0)])
     assert out["samples_per_s"] == pytest.approx(2 * 32 * 4 / 8.0)  # the slowest rank's time
     # latest end (109) minus earliest start (100)
     assert out["span_samples_per_s"] == pytest.approx(2 * 32 * 4 / 9.0)
@@ -103,7 +102,7 @@ def test_aggregate_counts_all_samples_over_the_slowest_rank():
     assert out["tx_bytes_per_step"] == [2.5e8, 5e8]
     assert out["hosts"] == ["host0", "host1"]
     with_stats = runner.aggregate(
-        [rank_file(0, 4.0, stats={"bytes_sent": 4e8, "hidden_fraction": 0.5})], batch=32)
+        [rank_file(0, 4.0, stats={"bytes_sent": 4e8, "hidden_fraction": 0.5})])
     assert with_stats["engine_bytes_per_step"] == 4e8 and with_stats["hidden_fraction"] == 0.5
 
 
