@@ -314,7 +314,7 @@ def chart(run: dict, path: str) -> None:
     fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)
     names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")
              and any(r["config"] == c.name for r in rows)]
-    width = 0.8 / len(names)
+    width = 0.8 / max(1, len(names))  # none yet while only the one-process runs are done
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         combos = sorted({(r["ranks"], r["bandwidth"]) for r in mine if r["ranks"] > 1},
