@@ -198,16 +198,16 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
     # benchmarks package: the suite and its ranks then import the same tf_poseidon as this
     # test process (the installed one in CI's installed-package run, not the checkout's).
     (tmp_path / "benchmarks").symlink_to(os.path.join(ROOT, "benchmarks"))
+    out = tmp_path / "out"  # not tmp_path: its benchmarks/ is the package
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.suite", "--no-netns", "--models", "tiny",
          "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
-         "1", "--timeout", "240", "--out", str(tmp_path), "--json",
-         str(tmp_path / "run.json"), "--logs", str(tmp_path / "logs")],
+         "1", "--timeout", "240", "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [os.environ.get("PYTHONPATH"), plotting_path]))})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = json.loads((tmp_path / "run.json").read_text())
+    run = json.loads((out / "benchmarks" / "results.json").read_text())
     assert run["status"] == "complete"
     by_config = {r["config"]: r for r in run["results"]}
     assert set(by_config) == {"single", "mwms", "dwbp"}
@@ -216,4 +216,4 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
         assert r["samples_per_s"] > 0 and r["steps"] == 1
     assert by_config["dwbp"]["ranks"] == 2 and len(by_config["dwbp"]["hosts"]) == 2
     assert "Goals (best tf_poseidon configuration)" in done.stdout
-    assert (tmp_path / "benchmarks.md").exists() and (tmp_path / "benchmarks.png").exists()
+    assert (out / "benchmarks.md").exists() and (out / "benchmarks.png").exists()
