@@ -39,10 +39,6 @@ def table(results: dict) -> list[str]:
             "", f"median ratio with/without: {statistics.median(a / b for a, b in pairs):.4f}"]
 
 
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, emulated=False, ranks=2,
-                               width=512, batch=512, steps=40, warmup=4, rounds=6)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.feature_main(__doc__, measure, table, emulated=False, ranks=2, width=512,
+                                 batch=512, steps=40, warmup=4, rounds=6))

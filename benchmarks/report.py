@@ -304,8 +304,8 @@ def write_markdown(run: dict, path: str) -> None:
 
 def chart(run: dict, path: str) -> None:
     """A PNG of samples/s: a panel per model, a bar per distributed configuration of the run
-    grouped by hosts × link (0 and gray text if it did not run), one process dashed across the panel, P processes
-    without communication dotted over their group. Needs matplotlib."""
+    grouped by hosts × link (0 and gray text if it did not run), one process dashed across the
+    panel, P processes without communication dotted over their group. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

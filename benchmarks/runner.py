@@ -341,8 +341,8 @@ def versus_table(results: dict, column: str) -> list[str]:
         for (_, _, variant), r in sorted(chosen.items()) if variant == new and r["plan"]]
 
 
-def feature_main(argv, doc: str, measure, table, emulated: bool = True,
-                 choices: dict | None = None, **defaults) -> int:
+def feature_main(doc: str, measure, table, emulated: bool = True, choices: dict | None = None,
+                 **defaults) -> int:
     """The command line of a per-feature benchmark (``doc``: its docstring, whose first two
     paragraphs are the description and the usage): the common options, one per ``defaults``
     entry (a list: one or more values; False: a bare flag) with ``choices`` (name → allowed
@@ -363,7 +363,7 @@ def feature_main(argv, doc: str, measure, table, emulated: bool = True,
         else:
             p.add_argument(flag, type=type(value[0] if many else value), default=value,
                            nargs="+" if many else None, choices=(choices or {}).get(name))
-    args = p.parse_args(argv)
+    args = p.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
             results = json.load(f)
@@ -380,6 +380,14 @@ def feature_main(argv, doc: str, measure, table, emulated: bool = True,
                 json.dump(results, f, indent=1)
     print("\n" + "\n".join(table(results)))
     return 0
+
+
+def versus_main(doc: str, column: str, variants: dict[str, tuple[dict, dict]],
+                **defaults) -> int:
+    """:func:`feature_main` of a :func:`versus` benchmark of ``variants``, named in the
+    table's ``column``."""
+    return feature_main(doc, lambda args, bench: versus(args, bench, variants),
+                        lambda results: versus_table(results, column), **defaults)
 
 
 def model_args(args) -> dict:
