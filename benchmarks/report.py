@@ -94,8 +94,10 @@ def _ok(r: dict | None) -> bool:
     return r is not None and r.get("status") == "ok" and bool(r.get("samples_per_s"))
 
 
-def _order(model: str) -> int:
-    return list(MODELS).index(model) if model in MODELS else 99
+def _place(model: str, ranks: int, bandwidth: str | None) -> tuple:
+    """Where a (model, ranks, bandwidth) goes in the tables: models.py's order, fewer ranks,
+    slower links first."""
+    return list(MODELS).index(model) if model in MODELS else 99, ranks, rate_bits(bandwidth) or 0
 
 
 def find(results: list[dict], model: str, config: str, ranks: int | None = None,
@@ -133,8 +135,8 @@ def derive(results: list[dict]) -> list[dict]:
             if ok else None,
             "notes": _notes(results, r, wire)})
     order = [c.name for c in CONFIGS]
-    return sorted(rows, key=lambda r: (_order(r["model"]), r["ranks"], rate_bits(
-        r["bandwidth"]) or 0, order.index(r["config"]) if r["config"] in order else 99))
+    return sorted(rows, key=lambda r: (*_place(r["model"], r["ranks"], r["bandwidth"]),
+                                       order.index(r["config"]) if r["config"] in order else 99))
 
 
 def _failure(r: dict) -> str:
@@ -178,8 +180,7 @@ def goals(rows: list[dict]) -> list[dict]:
     goal)."""
     out = []
     for model, ranks, bw in sorted({(r["model"], r["ranks"], r["bandwidth"]) for r in rows
-                                    if r["ranks"] > 1}, key=lambda c: (_order(c[0]), c[1],
-                                                                        rate_bits(c[2]) or 0)):
+                                    if r["ranks"] > 1}, key=lambda c: _place(*c)):
         best = max((r for r in rows if (r["model"], r["ranks"], r["bandwidth"]) == (
             model, ranks, bw) and _ok(r) and _kind(r["config"]) == "poseidon"),
             key=lambda r: r["samples_per_s"], default={})
@@ -318,7 +319,7 @@ def chart(run: dict, path: str) -> None:
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         combos = sorted({(r["ranks"], r["bandwidth"]) for r in mine if r["ranks"] > 1},
-                        key=lambda c: (c[0], rate_bits(c[1]) or 0))
+                        key=lambda c: _place(model, *c))
         top = max([r["samples_per_s"] for r in mine if _ok(r)] or [1.0])
         for j, (ranks, bw) in enumerate(combos):
             for i, r in enumerate(find(mine, model, name, ranks, bw) for name in names):
