@@ -1,9 +1,6 @@
 """What collective agreement (tf_poseidon/comm/agreement.py) costs (docs/failures.md): one check
 alone, and a training step with and without the checks.
 
-    python -m benchmarks.agreement [--ranks 2] [--width 512] [--batch 512] [--steps 40]
-                                   [--warmup 4] [--rounds 6]
-
 On this machine's loopback (tfposeidon-run): one job times 2000 checks of a 4-bucket gradient
 signature after 50 warm-ups (the slowest rank's mean); then Keras fit of an MLP of three
 Dense(--width) layers at --batch rows per rank, with the checks and with them replaced by a

@@ -1,10 +1,6 @@
 """All-reduce times between emulated hosts: Open MPI's own (docs/cluster.md) and through
 tf_poseidon's codecs (docs/compression.md).
 
-    python -m benchmarks.allreduce [--bandwidth 1gbit ...] [--hosts 2] [--loopback]
-                                   [--codecs mpi | --codecs none fp16 bf16] [--megabytes 64]
-                                   [--repeats 5] [--small-repeats 500] [--bind-to none]
-
 Per bandwidth ("none": unshaped) a cluster of --hosts hosts (--loopback: 2 ranks on one
 namespace's shaped ``lo``) runs one job that, per codec and after warm-ups, times --repeats
 all-reduces of --megabytes MiB of float32 and --small-repeats of 1 KB, each after a barrier.

@@ -1,9 +1,6 @@
 """Wait-free backprop (overlap=True) against communicating after the backward pass
 (docs/dwbp.md).
 
-    python -m benchmarks.dwbp [--bandwidth 1gbit] [--repeats 3] [--bucket-mb 4 ...]
-                              [--width 2048] [--layers 6] [--batch 256] [--warmup 3] [--steps 9]
-
 On 2 emulated hosts Keras fit trains an MLP of --layers Dense(--width) whose gradient
 all-reduce takes about as long as its backward pass. Per bucket size, overlap=True and
 overlap=False run --repeats times, interleaved; one process alone gives the compute-only step.

@@ -1,10 +1,6 @@
 """EASGD's communication and throughput against sync mode; async EASGD with a slow rank
 (docs/easgd.md).
 
-    python -m benchmarks.easgd [--hosts 2] [--bandwidth 1gbit] [--repeats 1] [--taus 1 4 16]
-                               [--slow-repeats 3] [--slow-kind sleep|spin] [--width 1024]
-                               [--layers 4] [--batch 64] [--warmup 4] [--steps 48]
-
 On emulated hosts Keras fit trains an MLP in sync mode and in both EASGD forms for each τ
 (α = 0.9/hosts). Per configuration and rank: bytes sent per step of fit (the engine's records,
 and async EASGD's exchange counters, rank 0's with the center holder's replies), its mean step

@@ -1,7 +1,7 @@
 """Runs benchmark jobs: the hosts, the launch of every rank of benchmarks/worker.py, the ranks'
 result files, repeats and timeouts; and the command line of the per-feature benchmarks.
 
-Hosts (:func:`hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
+Hosts (:meth:`Bench.hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
 links shaped with tc, real multi-host ``mpirun`` over TCP; needs root) or :class:`Loopback`
 (``--no-netns``, or where namespaces cannot be built): the ranks unshaped on this machine.
 Both are context managers whose exit kills what they started.
@@ -343,17 +343,16 @@ def versus_table(results: dict, column: str) -> list[str]:
 
 def feature_main(doc: str, measure, table, emulated: bool = True, choices: dict | None = None,
                  **defaults) -> int:
-    """The command line of a per-feature benchmark (``doc``: its docstring, whose first two
-    paragraphs are the description and the usage): the common options, one per ``defaults``
-    entry (a list: one or more values; False: a bare flag) with ``choices`` (name → allowed
-    values); ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
+    """The command line of a per-feature benchmark (``doc``, its docstring, is the help's
+    description): the common options, one per ``defaults`` entry (a list: one or more values;
+    False: a bare flag) with ``choices`` (name → allowed values), each default shown by
+    ``--help``; ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
     ``table(results) -> lines``, printed (``--from-json``: of saved results, measuring
     nothing). Not ``emulated``: the ranks always run on this machine."""
-    description, usage = doc.split("\n\n")[:2]
-    p = argparse.ArgumentParser(description=description, usage=usage.strip(),
-                                allow_abbrev=False)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
-    p.add_argument("--logs", help="directory for the jobs' logs (default: a new one in /tmp)")
+    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job; 900")
+    p.add_argument("--logs", help="a new directory for the jobs' logs goes here (else in /tmp)")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--from-json", help="print the table of an earlier --json file")
     for name, value in (defaults | ({"no_netns": False} if emulated else {})).items():
@@ -362,7 +361,8 @@ def feature_main(doc: str, measure, table, emulated: bool = True, choices: dict 
             p.add_argument(flag, action="store_true")
         else:
             p.add_argument(flag, type=type(value[0] if many else value), default=value,
-                           nargs="+" if many else None, choices=(choices or {}).get(name))
+                           nargs="+" if many else None, choices=(choices or {}).get(name),
+                           help=f"default: {' '.join(map(str, value)) if many else value}")
     args = p.parse_args()
     if args.from_json:
         with open(args.from_json) as f:

@@ -1,9 +1,5 @@
 """Sufficient factor broadcasting (sfb="auto") against all-reduce (sfb="never") (docs/sfb.md).
 
-    python -m benchmarks.sfb [--ranks 2 4] [--bandwidth 1gbit] [--steps 4] [--warmup 2]
-                             [--repeats 1] [--model fc | --model mlp --width 4096 --layers 3]
-                             [--batch 32] [--no-single] [--json FILE] [--from-json FILE]
-
 On emulated clusters of each --ranks hosts Keras fit trains an FC-heavy model (default:
 VGG-16's classifier head 25088→4096→4096→1000, 123.6 M parameters) at --batch rows per rank.
 Per configuration: the step time (the slowest rank's median), samples/s, bytes per step and

@@ -1,10 +1,6 @@
 """Sparse embedding gradients gathered as rows against the dense all-reduce of the whole table
 (docs/synchronization.md).
 
-    python -m benchmarks.sparse [--ranks 2] [--bandwidth 1gbit] [--batch 256] [--steps 6]
-                                [--warmup 2] [--repeats 3] [--no-single]
-                                [--json FILE] [--from-json FILE]
-
 On emulated clusters of each --ranks hosts Keras fit trains the ``embedding`` model
 (benchmarks/models.py: Embedding(1_000_000, 64), 8 ids per example, then an MLP) with SGD at
 --batch rows per rank. ``sparse``: tf_poseidon's default (the per-layer plan gathers the rows

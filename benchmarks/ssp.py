@@ -1,8 +1,5 @@
 """SSP (staleness 3) against sync, without a straggler and with one rank slowed (docs/ssp.md).
 
-    python -m benchmarks.ssp [--ranks 2 3] [--repeats 3] [--delay 0.1]
-                             [--stragglers none moving fixed] [--width 1024] [--batch 128]
-
 Keras fit of an MLP of three Dense(--width) layers, --batch rows per rank and step, 10 warm-up
 and --steps (100) timed steps, on this machine's loopback: sync and mode="ssp", staleness=3,
 under each straggler condition: ``none``; ``moving`` — on one step in five one rank sleeps
