@@ -5,7 +5,8 @@
   independent copies, which shows what sharing the cores costs alone.
 - ``poseidon``: ``tp.PoseidonStrategy(**options)``, Keras fit on global batches of P × batch
   rows; a NotImplementedError from the constructor is recorded as "not available";
-  ``--no-agreement`` replaces the ranks' collective agreement checks by a no-op.
+  ``--no-agreement`` replaces the ranks' collective agreement checks by a no-op,
+  ``--dense-gradients`` applies sparse gradients as dense tensors (DenseGradientsSGD).
 - ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
   fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
 - ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
@@ -297,18 +298,14 @@ def main(argv=None) -> int:
     p.add_argument("--options", default="{}", help="PoseidonStrategy keyword arguments, JSON")
     p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
     p.add_argument("--straggler", help="the slowed rank, or moving")
-    p.add_argument("--spin", action="store_true")
-    p.add_argument("--dense-gradients", action="store_true", help="apply sparse gradients "
-                   "as dense tensors (DenseGradientsSGD)")
-    p.add_argument("--no-agreement", action="store_true")
     p.add_argument("--codecs", nargs="+", default=["mpi"])
+    for flag in ("spin", "dense-gradients", "no-agreement"):
+        p.add_argument(f"--{flag}", action="store_true")
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
-                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500)):
-        p.add_argument(f"--{flag}", type=int, default=default)
-    for flag, default in (("delay", 0.1), ("megabytes", 64.0)):
-        p.add_argument(f"--{flag}", type=float, default=default)
-    for flag in ("nic", "peers", "peer-hosts"):  # mwms: host:port and hostname of every worker
-        p.add_argument(f"--{flag}", default="")
+                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500),
+                          ("delay", 0.1), ("megabytes", 64.0), ("nic", ""),
+                          ("peers", ""), ("peer-hosts", "")):  # mwms: every worker's address
+        p.add_argument(f"--{flag}", type=type(default), default=default)
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step builds the graph)")
