@@ -107,7 +107,8 @@ def find(results: list[dict], model: str, config: str, ranks: int | None = None,
                  and ranks in (None, r["ranks"]) and bandwidth in ("*", r["bandwidth"])), None)
 
 
-def _busiest(r: dict | None) -> float | None:
+def busiest(r: dict | None) -> float | None:
+    """The bytes per timed step of the host that sent most (None: no counter)."""
     return max((b for b in (r or {}).get("tx_bytes_per_step") or [] if b is not None),
                default=None)
 
@@ -121,7 +122,7 @@ def derive(results: list[dict]) -> list[dict]:
     for r in results:
         single = find(results, r["model"], "single")
         mwms = find(results, r["model"], "mwms", r["ranks"], r["bandwidth"])
-        compute_s, wire, bits, ok = single["step_s"] if _ok(single) else None, _busiest(r), \
+        compute_s, wire, bits, ok = single["step_s"] if _ok(single) else None, busiest(r), \
             rate_bits(r["bandwidth"]), _ok(r)
         wire_s = wire * 8 / bits if wire is not None and bits else None
         rows.append({
@@ -153,7 +154,7 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
     if r["status"] != "ok":
         return _failure(r)
     notes, dwbp = [], find(results, r["model"], "dwbp", r["ranks"], r["bandwidth"])
-    base = _busiest(dwbp) if _ok(dwbp) else None
+    base = busiest(dwbp) if _ok(dwbp) else None
     if wire is not None and base and r["config"] in ("fp16", "sfb", "fp16+sfb"):
         notes.append(f"sends {wire / base:.0%} of DWBP's bytes"
                      + (": the option saved no traffic" if wire / base > 0.97 else ""))

@@ -17,6 +17,7 @@ prints progress and the tables.
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -75,11 +76,9 @@ def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command
     say(f"Logs of every configuration: {bench.logs}")
     todo, t0, current = plan(settings), time.monotonic(), None
     try:
-        for ranks, bw in dict.fromkeys((ranks, bw) for ranks, bw, _, _ in todo):
+        for (ranks, bw), group in itertools.groupby(enumerate(todo), key=lambda t: t[1][:2]):
             with bench.hosts(ranks, bw) as cluster:
-                for i, (_, _, model, config) in enumerate(todo):
-                    if (ranks, bw) != todo[i][:2]:
-                        continue
+                for i, (_, _, model, config) in group:
                     current = {"model": model, "config": config.name, "ranks": ranks,
                                "bandwidth": bw}
                     where = f"[{_clock(t0)}] ({i + 1}/{len(todo)}) {model} " \
@@ -125,9 +124,9 @@ def mark_not_run(run: dict, todo) -> None:
 def _summary(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['status']}: {r['message']}"
-    wire = [b for b in r.get("tx_bytes_per_step") or [] if b is not None]
+    wire = report.busiest(r)
     return (f"{r['samples_per_s']:.1f} samples/s, {r['step_s']:.3f} s/step"
-            + (f", {max(wire) / 1e6:.1f} MB/step sent by the busiest host" if wire else "")
+            + (f", {wire / 1e6:.1f} MB/step sent by the busiest host" if wire is not None else "")
             + f" ({r['wall_s']:.0f} s)")
 
 
