@@ -149,13 +149,13 @@ def test_goals_pick_the_best_poseidon_configuration():
 
 
 def test_markdown_and_chart(tmp_path, plotting_path):
-    run = {"command": "python -m benchmarks.suite --quick", "started": "t0", "finished": "t1",
+    run = {"command": "python -m benchmarks.suite --models fc", "started": "t0", "finished": "t1",
            "status": "complete", "emulation": "test", "results": RESULTS,
            "environment": {"CPU": "test cpu"},
            "settings": {"models": ["fc"], "batch": 32, "warmup": 1, "steps": 2,
                         "timeout": 60.0}}
     text = report.markdown(run)
-    assert "python -m benchmarks.suite --quick" in text
+    assert "python -m benchmarks.suite --models fc" in text
     assert "| VGG-16 head (FC, 123.6 M) | 2 hosts × 1gbit | dwbp | 32.0 | 2.000 | 4.00× |" \
         in text
     assert "test cpu" in text
