@@ -89,7 +89,8 @@ def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command
                         current |= {"status": verdict[0], "message": verdict[1]}
                     else:
                         say(f"{where} — {config.label}")
-                        done = bench.run(cluster, job_for(config, model, ranks, settings), True)
+                        job = job_for(config, model, ranks, settings)
+                        done = bench.run(cluster, job, progress=True)
                         current |= {k: v for k, v in done.items() if k != "per_rank"}
                         say(f"      → {_summary(current)}")
                     run["results"].append(current)
