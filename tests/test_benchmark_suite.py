@@ -177,6 +177,22 @@ def test_markdown_and_chart(tmp_path, plotting_path):
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_committed_results_rewrite_the_committed_pages():
+    """What `--report-only docs/benchmarks/results.json` writes into docs/benchmarks.md, and the
+    table `benchmarks.sparse --from-json docs/benchmarks/sparse.json` prints, are on the pages:
+    the committed figures are reproduced by their commands."""
+    docs = os.path.join(ROOT, "docs")
+    with open(os.path.join(docs, "benchmarks", "results.json")) as f:
+        block = report.markdown(json.load(f))
+    with open(os.path.join(docs, "benchmarks.md")) as f:
+        assert block.rstrip("\n") in f.read()
+    with open(os.path.join(docs, "benchmarks", "sparse.json")) as f:
+        rows = [line for line in runner.versus_table(json.load(f), "gradients") if "|" in line]
+    with open(os.path.join(docs, "synchronization.md")) as f:
+        page = f.read()
+    assert len(rows) == 5 and all(row in page for row in rows)
+
+
 def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
     import tf_poseidon
 
