@@ -237,6 +237,9 @@ def settings_from(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    if os.path.realpath(os.path.join(args.out, "benchmarks")) == os.path.dirname(
+            os.path.realpath(__file__)):
+        parser.error("--out: its benchmarks/ is this package; results go beside docs, not code")
     save = saver(args.out)
     if args.report_only:
         with open(args.report_only) as f:
