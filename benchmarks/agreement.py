@@ -1,77 +1,41 @@
-"""What collective agreement (tf_poseidon/comm/agreement.py) costs: one check alone, and a
-training step of the benchmark MLP with and without the checks, interleaved in one run.
+"""What collective agreement (tf_poseidon/comm/agreement.py) costs (docs/failures.md): one check
+alone, and a training step with and without the checks.
 
-    tfposeidon-run -np 2 python benchmarks/agreement.py [--width 512] [--batch 1024] [--rounds 6]
-
-Rank 0 prints the median time of one check and the step time with checks on and off, per round,
-and the median ratio on/off. "Off" replaces the check by a no-op in this process only.
+On this machine's loopback (tfposeidon-run): one job times 2000 checks of a 4-bucket gradient
+signature after 50 warm-ups (the slowest rank's mean); then Keras fit of an MLP of three
+Dense(--width) layers at --batch rows per rank, with the checks and with them replaced by a
+no-op (worker --no-agreement), --rounds times interleaved. Prints the check's time, each
+round's step times (the slowest rank's) and the median ratio with / without.
 """
 
-import argparse
 import statistics
-import time
+import sys
 
-import keras
-import numpy as np
-
-import tf_poseidon as tp
-from tf_poseidon import world
-from tf_poseidon.comm import agreement
+from benchmarks import report, runner
 
 
-def check_alone(repeats: int) -> float:
-    """Seconds per agreement of a 4-bucket gradient signature, on the calling thread."""
-    comm = world.mpi_comm()
-    signature = agreement.Signature("gradients", 0, (("allreduce", 4 << 20, "float32"),) * 4)
-    for _ in range(50):
-        agreement.agree(comm, signature, 60)
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        agreement.agree(comm, signature, 60)
-    return (time.perf_counter() - start) / repeats
+def measure(args, bench: runner.Bench) -> dict:
+    model = runner.model_args(args) | {"layers": 3}
+    with bench.hosts(args.ranks) as cluster:
+        check = bench.repeat(cluster, {"2000 checks": runner.Job(
+            "agreement", args.ranks, {"repeats": 2000}, launch="launcher")})["2000 checks"][0]
+        on, off = bench.repeat(cluster, {
+            "checks on": runner.Job("poseidon", args.ranks, model),
+            "checks off": runner.Job("poseidon", args.ranks, model | {"no_agreement": True})},
+            args.rounds).values()
+    return {"ranks": args.ranks, "check_s": max(r["check_s"] for r in check["per_rank"]),
+            "on_s": [r["step_s"] for r in on], "off_s": [r["step_s"] for r in off]}
 
 
-def step_times(args) -> dict:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch * args.steps, args.width)).astype("float32")
-    y = rng.integers(0, 10, size=len(x))
-    strategy = tp.PoseidonStrategy()
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((args.width,))] + [
-            keras.layers.Dense(args.width, activation="relu") for _ in range(3)] +
-            [keras.layers.Dense(10)])
-        model.compile(optimizer="sgd",
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x[:4 * args.batch], y[:4 * args.batch], batch_size=args.batch, verbose=0)
-    real = agreement.agree
-    times = {"on": [], "off": []}
-    for _ in range(args.rounds):
-        for mode in ("on", "off"):
-            agreement.agree = real if mode == "on" else (lambda *_: None)
-            start = time.perf_counter()
-            model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)
-            times[mode].append((time.perf_counter() - start) / args.steps)
-    agreement.agree = real
-    return times
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=6)
-    args = parser.parse_args()
-    alone = check_alone(2000)
-    times = step_times(args)
-    if tp.is_chief():
-        ratios = [a / b for a, b in zip(times["on"], times["off"])]
-        print(f"one check: {alone * 1e6:.1f} µs ({tp.size()} ranks)")
-        for on, off in zip(times["on"], times["off"]):
-            print(f"step with checks {on * 1e3:.2f} ms, without {off * 1e3:.2f} ms")
-        print(f"median ratio with/without: {statistics.median(ratios):.4f}")
+def table(results: dict) -> list[str]:
+    pairs = list(zip(results["on_s"], results["off_s"]))
+    return [f"one check: {results['check_s'] * 1e6:.1f} µs ({results['ranks']} ranks)", "",
+            *report.table(["round", "step with checks (ms)", "step without (ms)", "ratio"], [
+                [i + 1, f"{on * 1e3:.2f}", f"{off * 1e3:.2f}", f"{on / off:.4f}"]
+                for i, (on, off) in enumerate(pairs)]),
+            "", f"median ratio with/without: {statistics.median(a / b for a, b in pairs):.4f}"]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(runner.feature_main(__doc__, measure, table, emulated=False, ranks=2, width=512,
+                                 batch=512, steps=40, warmup=4, rounds=6))

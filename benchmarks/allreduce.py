@@ -1,10 +1,6 @@
 """All-reduce times between emulated hosts: Open MPI's own (docs/cluster.md) and through
 tf_poseidon's codecs (docs/compression.md).
 
-    python -m benchmarks.allreduce [--bandwidth 1gbit ...] [--hosts 2] [--loopback]
-                                   [--codecs mpi | --codecs none fp16 bf16] [--megabytes 64]
-                                   [--repeats 5] [--small-repeats 500] [--bind-to none]
-
 Per bandwidth ("none": unshaped) a cluster of --hosts hosts (--loopback: 2 ranks on one
 namespace's shaped ``lo``) runs one job that, per codec and after warm-ups, times --repeats
 all-reduces of --megabytes MiB of float32 and --small-repeats of 1 KB, each after a barrier.
@@ -18,8 +14,7 @@ A benchmark, not a test.
 import statistics
 import sys
 
-from benchmarks import runner
-from benchmarks.report import rate_bits
+from benchmarks import report, runner
 
 
 def measure(args, bench: runner.Bench) -> dict:
@@ -43,28 +38,24 @@ def measure(args, bench: runner.Bench) -> dict:
 def table(results: dict) -> list[str]:
     from tf_poseidon.comm import codecs
     elements, first = int(results["megabytes"] * 2**20) // 4, {}
-    lines = [f"{results['where']}, one all-reduce of {results['megabytes']:g} MiB of float32 "
-             "(slowest rank: median, best) and of 1 KB (median)", "",
-             "| link | codec | median (s) | best (s) | speed-up | MB sent per rank | floor (s) "
-             "| 1 KB (ms) |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in results["rows"]:
         median = first.setdefault((r["bandwidth"], r["codec"]), statistics.median(r["big_s"]))
         base = first[next(k for k in first if k[0] == r["bandwidth"])]
         sent = codecs.get("none" if r["codec"] == "mpi" else r["codec"]).wire_bytes(
             elements, results["ranks"])[0]
-        link = rate_bits(None if r["bandwidth"] == "none" else r["bandwidth"])
-        small = f"{1e3 * statistics.median(r['small_s']):.3f}" if r["small_s"] else "—"
-        lines.append(f"| {r['bandwidth']} | {r['codec']} | {median:.3f} | {min(r['big_s']):.3f}"
-                     f" | {base / median:.2f}× | {sent / 1e6:.1f} | "
-                     f"{f'{8 * sent / link:.3f}' if link else '—'} | {small} |")
-    return lines
-
-
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, bandwidth=["1gbit"], hosts=2,
-                               loopback=False, codecs=["mpi"], megabytes=64.0, repeats=5,
-                               small_repeats=500, bind_to="none")
+        link = report.rate_bits(None if r["bandwidth"] == "none" else r["bandwidth"])
+        rows.append([r["bandwidth"], r["codec"], f"{median:.3f}", f"{min(r['big_s']):.3f}",
+                     f"{base / median:.2f}×", f"{sent / 1e6:.1f}",
+                     f"{8 * sent / link:.3f}" if link else "—",
+                     f"{1e3 * statistics.median(r['small_s']):.3f}" if r["small_s"] else "—"])
+    return [f"{results['where']}, one all-reduce of {results['megabytes']:g} MiB of float32 "
+            "(slowest rank: median, best) and of 1 KB (median)", "", *report.table(
+                ["link", "codec", "median (s)", "best (s)", "speed-up", "MB sent per rank",
+                 "floor (s)", "1 KB (ms)"], rows)]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.feature_main(__doc__, measure, table, bandwidth=["1gbit"], hosts=2,
+                                 loopback=False, codecs=["mpi"], megabytes=64.0, repeats=5,
+                                 small_repeats=500, bind_to="none"))

@@ -1,9 +1,6 @@
 """Wait-free backprop (overlap=True) against communicating after the backward pass
 (docs/dwbp.md).
 
-    python -m benchmarks.dwbp [--bandwidth 1gbit] [--repeats 3] [--bucket-mb 4 ...]
-                              [--width 2048] [--layers 6] [--batch 256] [--warmup 3] [--steps 9]
-
 On 2 emulated hosts Keras fit trains an MLP of --layers Dense(--width) whose gradient
 all-reduce takes about as long as its backward pass. Per bucket size, overlap=True and
 overlap=False run --repeats times, interleaved; one process alone gives the compute-only step.
@@ -15,7 +12,7 @@ the backward pass (strategy.stats()). A benchmark, not a test.
 import statistics
 import sys
 
-from benchmarks import runner
+from benchmarks import report, runner
 
 
 def median_step(runs: list[dict]) -> float:
@@ -45,18 +42,14 @@ def measure(args, bench: runner.Bench) -> dict:
 
 def table(results: dict) -> list[str]:
     return [f"2 hosts at {results['bandwidth']}; compute-only step {results['single_s']:.3f} s",
-            "", "| bucket MB | step, overlap (s) | step, overlap=False (s) | overlap / naive | "
-            "comm time (s) | comm hidden |", "|---|---|---|---|---|---|"] + [
-        f"| {b['bucket_mb']:g} | {b['overlap_s']:.3f} | {b['naive_s']:.3f} | "
-        f"{b['overlap_s'] / b['naive_s']:.2f} | {b['comm_s']:.3f} | {b['hidden']:.0%} |"
-        for b in results["buckets"]]
-
-
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, bandwidth="1gbit", repeats=3,
-                               bucket_mb=[4.0], width=2048, layers=6, batch=256, warmup=3,
-                               steps=9)
+            "", *report.table(["bucket MB", "step, overlap (s)", "step, overlap=False (s)",
+                               "overlap / naive", "comm time (s)", "comm hidden"], [
+                [f"{b['bucket_mb']:g}", f"{b['overlap_s']:.3f}", f"{b['naive_s']:.3f}",
+                 f"{b['overlap_s'] / b['naive_s']:.2f}", f"{b['comm_s']:.3f}",
+                 f"{b['hidden']:.0%}"] for b in results["buckets"]])]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.feature_main(__doc__, measure, table, bandwidth="1gbit", repeats=3,
+                                 bucket_mb=[4.0], width=2048, layers=6, batch=256, warmup=3,
+                                 steps=9))

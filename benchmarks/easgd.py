@@ -1,10 +1,6 @@
 """EASGD's communication and throughput against sync mode; async EASGD with a slow rank
 (docs/easgd.md).
 
-    python -m benchmarks.easgd [--hosts 2] [--bandwidth 1gbit] [--repeats 1] [--taus 1 4 16]
-                               [--slow-repeats 3] [--slow-kind sleep|spin] [--width 1024]
-                               [--layers 4] [--batch 64] [--warmup 4] [--steps 48]
-
 On emulated hosts Keras fit trains an MLP in sync mode and in both EASGD forms for each τ
 (α = 0.9/hosts). Per configuration and rank: bytes sent per step of fit (the engine's records,
 and async EASGD's exchange counters, rank 0's with the center holder's replies), its mean step
@@ -21,7 +17,7 @@ the run whose slowest rank is the median. A benchmark, not a test.
 import statistics
 import sys
 
-from benchmarks import runner
+from benchmarks import report, runner
 
 
 def per_rank(result: dict) -> list[dict]:
@@ -81,39 +77,33 @@ def measure(args, bench: runner.Bench) -> dict:
 
 
 def table(results: dict) -> list[str]:
-    rate = lambda ranks, f: f(r["samples_per_s"] for r in ranks)
+    rate = lambda ranks, f: f(r["samples_per_s"] for r in ranks)  # noqa: E731
+    each = lambda ranks, key, fmt, scale=1: " / ".join(  # noqa: E731
+        f"{r[key] / scale:{fmt}}" for r in ranks)
     base = results["rows"][0]["ranks"]
-    column = lambda ranks, key, fmt, scale=1: " / ".join(f"{r[key] / scale:{fmt}}" for r in ranks)
-    lines = [f"{results['hosts']} emulated hosts at {results['bandwidth']}, alpha = "
-             f"{results['alpha']}, slowdown by {results['slow_kind']}", "",
-             "| configuration | MB sent per step (per rank) | mean step (s) per rank | "
-             "samples/s per rank | all ranks' samples/s vs sync | slowest rank vs sync |",
-             "|---|---|---|---|---|---|"]
-    for row in results["rows"]:
-        ranks = row["ranks"]
-        lines.append(f"| {row['name']} | {column(ranks, 'bytes_sent_per_step', '.2f', 1e6)} | "
-                     f"{column(ranks, 'mean_step_s', '.3f')} | "
-                     f"{column(ranks, 'samples_per_s', '.1f')} | "
-                     f"{rate(ranks, sum) / rate(base, sum):.2f} | "
-                     f"{rate(ranks, min) / rate(base, min):.2f} |")
-    lines += ["", f"Async EASGD, tau={results['tau']}, one rank slowed 3x: each other rank's "
-              "samples/s in the slowed run as a fraction of its samples/s in the same round's "
-              "unslowed run; median over the rounds, then every round (goal >= 0.90)", "",
-              "| slowed rank | added per step (s) | other ranks: slowed / unslowed, median "
-              "(rounds) |", "|---|---|---|"]
-    for r, rounds in results["ratios"].items():
-        kept = [f"rank {o}: {statistics.median(x[o] for x in rounds):.2f} ("
-                + ", ".join(f"{x[o]:.2f}" for x in rounds) + ")" for o in sorted(rounds[0])]
-        lines.append(f"| {r}{' (holds the center)' if str(r) == '0' else ''} | "
-                     f"{results['slow_s'][r]:.3f} | " + "; ".join(kept) + " |")
-    return lines
-
-
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, choices={"slow_kind": [
-        "sleep", "spin"]}, hosts=2, bandwidth="1gbit", repeats=1, taus=[1, 4, 16],
-        slow_repeats=3, slow_kind="sleep", width=1024, layers=4, batch=64, warmup=4, steps=48)
+    slowed = [[f"{r}{' (holds the center)' if str(r) == '0' else ''}",
+               f"{results['slow_s'][r]:.3f}", "; ".join(
+                   f"rank {o}: {statistics.median(x[o] for x in rounds):.2f} ("
+                   + ", ".join(f"{x[o]:.2f}" for x in rounds) + ")" for o in sorted(rounds[0]))]
+              for r, rounds in results["ratios"].items()]
+    return [f"{results['hosts']} emulated hosts at {results['bandwidth']}, alpha = "
+            f"{results['alpha']}, slowdown by {results['slow_kind']}", "", *report.table(
+                ["configuration", "MB sent per step (per rank)", "mean step (s) per rank",
+                 "samples/s per rank", "all ranks' samples/s vs sync", "slowest rank vs sync"],
+                [[row["name"], each(row["ranks"], "bytes_sent_per_step", ".2f", 1e6),
+                  each(row["ranks"], "mean_step_s", ".3f"),
+                  each(row["ranks"], "samples_per_s", ".1f"),
+                  f"{rate(row['ranks'], sum) / rate(base, sum):.2f}",
+                  f"{rate(row['ranks'], min) / rate(base, min):.2f}"] for row in results["rows"]]),
+            "", f"Async EASGD, tau={results['tau']}, one rank slowed 3x: each other rank's "
+            "samples/s in the slowed run as a fraction of its samples/s in the same round's "
+            "unslowed run; median over the rounds, then every round (goal >= 0.90)", "",
+            *report.table(["slowed rank", "added per step (s)",
+                           "other ranks: slowed / unslowed, median (rounds)"], slowed)]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.feature_main(
+        __doc__, measure, table, choices={"slow_kind": ["sleep", "spin"]}, hosts=2,
+        bandwidth="1gbit", repeats=1, taus=[1, 4, 16], slow_repeats=3, slow_kind="sleep",
+        width=1024, layers=4, batch=64, warmup=4, steps=48))

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from benchmarks.report import table
+
 
 def timings(candidates: dict, repeats: int) -> dict[str, tuple[float, float, float]]:
     """Per candidate (a callable) its (best ms, median ms, median CPU ms) of ``repeats`` runs."""
@@ -53,23 +55,19 @@ def pack_unpack(tf, ops, repeats: int) -> list[str]:
     times = timings({name: call for name, (call, _) in candidates.items()}, repeats)
     memcpy = 2.0 * nbytes / times["memcpy (numpy copy, 1 thread)"][0]
     composite_ms = min(times[f"composite pack+unpack, {m}"][0] for m in ("eager", "tf.function"))
-    rows = [f"(a) pack + unpack, 50 float32 tensors, {nbytes / 1e6:.0f} MB, float16 wire, scale "
-            "1/64", "", "| candidate | best ms | median ms | CPU ms | GB/s (read+write, best) | "
-            "% of memcpy GB/s | speed-up vs best composite |", "|---|---|---|---|---|---|---|"]
-    for name, (_, traffic) in candidates.items():
-        best, median, cpu = times[name]
-        speedup = f"{composite_ms / best:.2f}" if "pack+unpack" in name else ""
-        rows.append(f"| {name} | {best:.1f} | {median:.1f} | {cpu:.1f} | "
-                    f"{traffic * nbytes / best / 1e6:.1f} | "
-                    f"{100 * traffic * nbytes / best / memcpy:.0f}% | {speedup} |")
-    return rows
+    rows = [[name, *(f"{t:.1f}" for t in times[name]),
+             f"{traffic * nbytes / times[name][0] / 1e6:.1f}",
+             f"{100 * traffic * nbytes / times[name][0] / memcpy:.0f}%",
+             f"{composite_ms / times[name][0]:.2f}" if "pack+unpack" in name else ""]
+            for name, (_, traffic) in candidates.items()]
+    return [f"(a) pack + unpack, 50 float32 tensors, {nbytes / 1e6:.0f} MB, float16 wire, "
+            "scale 1/64", "", *table(["candidate", "best ms", "median ms", "CPU ms",
+                                      "GB/s (read+write, best)", "% of memcpy GB/s",
+                                      "speed-up vs best composite"], rows)]
 
 
 def sfb(tf, ops, repeats: int) -> list[str]:
-    rng, rows = np.random.default_rng(1), [
-        "(b) sfb_reconstruct vs tf.matmul(U, V, transpose_a=True), float32 [M, N] out", "",
-        "| R, M, N | inputs | tf best / median / CPU ms | compiled best / median / CPU ms | "
-        "compiled/tf best | compiled/tf CPU |", "|---|---|---|---|---|---|"]
+    rng, rows = np.random.default_rng(1), []
     for r, m, n in [(64, 25088, 4096), (64, 4096, 4096), (128, 4096, 1000)]:
         u32 = tf.constant(rng.standard_normal((r, m)).astype(np.float32))
         v32 = tf.constant(rng.standard_normal((r, n)).astype(np.float32))
@@ -82,10 +80,13 @@ def sfb(tf, ops, repeats: int) -> list[str]:
                  lambda: ops.sfb_reconstruct(u16, v16))]:
             times = timings({"tf": reference, "compiled": compiled}, repeats)
             ref, ours = times["tf"], times["compiled"]
-            rows.append(f"| {r}, {m}, {n} | {inputs} | {' / '.join(f'{x:.1f}' for x in ref)} | "
-                        f"{' / '.join(f'{x:.1f}' for x in ours)} | {ours[0] / ref[0]:.2f} | "
-                        f"{ours[2] / ref[2]:.2f} |")
-    return rows
+            rows.append([f"{r}, {m}, {n}", inputs, " / ".join(f"{x:.1f}" for x in ref),
+                         " / ".join(f"{x:.1f}" for x in ours), f"{ours[0] / ref[0]:.2f}",
+                         f"{ours[2] / ref[2]:.2f}"])
+    return ["(b) sfb_reconstruct vs tf.matmul(U, V, transpose_a=True), float32 [M, N] out", "",
+            *table(["R, M, N", "inputs", "tf best / median / CPU ms",
+                    "compiled best / median / CPU ms", "compiled/tf best", "compiled/tf CPU"],
+                   rows)]
 
 
 def main(argv=None) -> int:

@@ -49,19 +49,13 @@ MODELS: dict[str, ModelSpec] = {
 def build(spec: ModelSpec):
     """A fresh, uncompiled Keras model of ``spec`` (build it in a strategy's scope)."""
     import keras
-    if spec.vocabulary:
-        return keras.Sequential(
-            [keras.Input(spec.input_shape, dtype="int32"),
-             keras.layers.Embedding(spec.vocabulary, 64, name="table"), keras.layers.Flatten()]
-            + [keras.layers.Dense(w, activation="relu", name=f"fc{i + 1}")
-               for i, w in enumerate(spec.hidden)]
-            + [keras.layers.Dense(spec.classes, activation="softmax", name="predictions")],
-            name=spec.name)
     if spec.hidden:
+        inputs = [keras.Input(spec.input_shape, dtype="int32"), keras.layers.Embedding(
+            spec.vocabulary, 64, name="table"), keras.layers.Flatten()] if spec.vocabulary \
+            else [keras.Input(spec.input_shape)]
         return keras.Sequential(
-            [keras.Input(spec.input_shape)]
-            + [keras.layers.Dense(w, activation="relu", name=f"fc{i + 1}")
-               for i, w in enumerate(spec.hidden)]
+            inputs + [keras.layers.Dense(w, activation="relu", name=f"fc{i + 1}")
+                      for i, w in enumerate(spec.hidden)]
             + [keras.layers.Dense(spec.classes, activation="softmax", name="predictions")],
             name=spec.name)
     application = {"vgg": keras.applications.VGG16, "resnet": keras.applications.ResNet50}

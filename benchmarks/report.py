@@ -94,8 +94,10 @@ def _ok(r: dict | None) -> bool:
     return r is not None and r.get("status") == "ok" and bool(r.get("samples_per_s"))
 
 
-def _order(model: str) -> int:
-    return list(MODELS).index(model) if model in MODELS else 99
+def _place(model: str, ranks: int, bandwidth: str | None) -> tuple:
+    """Where a (model, ranks, bandwidth) goes in the tables: models.py's order, fewer ranks,
+    slower links first."""
+    return list(MODELS).index(model) if model in MODELS else 99, ranks, rate_bits(bandwidth) or 0
 
 
 def find(results: list[dict], model: str, config: str, ranks: int | None = None,
@@ -105,7 +107,8 @@ def find(results: list[dict], model: str, config: str, ranks: int | None = None,
                  and ranks in (None, r["ranks"]) and bandwidth in ("*", r["bandwidth"])), None)
 
 
-def _busiest(r: dict | None) -> float | None:
+def busiest(r: dict | None) -> float | None:
+    """The bytes per timed step of the host that sent most (None: no counter)."""
     return max((b for b in (r or {}).get("tx_bytes_per_step") or [] if b is not None),
                default=None)
 
@@ -119,7 +122,7 @@ def derive(results: list[dict]) -> list[dict]:
     for r in results:
         single = find(results, r["model"], "single")
         mwms = find(results, r["model"], "mwms", r["ranks"], r["bandwidth"])
-        compute_s, wire, bits, ok = single["step_s"] if _ok(single) else None, _busiest(r), \
+        compute_s, wire, bits, ok = single["step_s"] if _ok(single) else None, busiest(r), \
             rate_bits(r["bandwidth"]), _ok(r)
         wire_s = wire * 8 / bits if wire is not None and bits else None
         rows.append({
@@ -133,8 +136,8 @@ def derive(results: list[dict]) -> list[dict]:
             if ok else None,
             "notes": _notes(results, r, wire)})
     order = [c.name for c in CONFIGS]
-    return sorted(rows, key=lambda r: (_order(r["model"]), r["ranks"], rate_bits(
-        r["bandwidth"]) or 0, order.index(r["config"]) if r["config"] in order else 99))
+    return sorted(rows, key=lambda r: (*_place(r["model"], r["ranks"], r["bandwidth"]),
+                                       order.index(r["config"]) if r["config"] in order else 99))
 
 
 def _failure(r: dict) -> str:
@@ -151,7 +154,7 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
     if r["status"] != "ok":
         return _failure(r)
     notes, dwbp = [], find(results, r["model"], "dwbp", r["ranks"], r["bandwidth"])
-    base = _busiest(dwbp) if _ok(dwbp) else None
+    base = busiest(dwbp) if _ok(dwbp) else None
     if wire is not None and base and r["config"] in ("fp16", "sfb", "fp16+sfb"):
         notes.append(f"sends {wire / base:.0%} of DWBP's bytes"
                      + (": the option saved no traffic" if wire / base > 0.97 else ""))
@@ -178,8 +181,7 @@ def goals(rows: list[dict]) -> list[dict]:
     goal)."""
     out = []
     for model, ranks, bw in sorted({(r["model"], r["ranks"], r["bandwidth"]) for r in rows
-                                    if r["ranks"] > 1}, key=lambda c: (_order(c[0]), c[1],
-                                                                        rate_bits(c[2]) or 0)):
+                                    if r["ranks"] > 1}, key=lambda c: _place(*c)):
         best = max((r for r in rows if (r["model"], r["ranks"], r["bandwidth"]) == (
             model, ranks, bw) and _ok(r) and _kind(r["config"]) == "poseidon"),
             key=lambda r: r["samples_per_s"], default={})
@@ -216,7 +218,7 @@ def _goal(g: dict, key: str, sense: str) -> str:
 
 def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
     """The results as table lines (markdown, or aligned plain text for the console)."""
-    return _table(["model", "hosts × link", "configuration", "samples/s", "step s",
+    return table(["model", "hosts × link", "configuration", "samples/s", "step s",
                    "× compute", "× MWMS", "wire MB/step", "floor s", "load", "notes"], [
         [_title(r["model"]), link_label(r["bandwidth"], r["ranks"]), r["config"],
          _num(r.get("samples_per_s"), ".1f"), _num(r.get("step_s"), ".3f"),
@@ -227,7 +229,7 @@ def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
 
 
 def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
-    return _table(["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
+    return table(["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
                    "vs one process", "vs P processes, no comm.", "step ÷ compute-only step",
                    "step ÷ floor"], [
         [_title(g["model"]), link_label(g["bandwidth"], g["ranks"]), g["best"] or
@@ -237,10 +239,12 @@ def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
         markdown)
 
 
-def _table(head: list[str], body: list[list[str]], markdown: bool) -> list[str]:
+def table(head: list[str], body: list[list], markdown: bool = True) -> list[str]:
+    """The lines of a table (every benchmark's): markdown (a ``|`` in a cell escaped), or
+    aligned plain text for the console; a cell is shown by str()."""
     if markdown:
         return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + [
-            "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body]
+            "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in body]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa
     return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
@@ -271,7 +275,7 @@ def markdown(run: dict) -> str:
            "configurations do with a core or more per rank, the compute-heavy CNNs most.", ""]
           if busy else []),
         "## Goals", "", "Best tf_poseidon configuration at each number of hosts and link; "
-        "goals: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "
+        "targets: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "
         "process, step time ≤ 1.2× the compute-only step.", "", *goal_table(goals(rows)), "",
         *([f"**Not a verdict:** " + ", ".join(
             f"{_title(g['model'])} ({link_label(g['bandwidth'], g['ranks'])}, {g['best']})"
@@ -301,21 +305,22 @@ def write_markdown(run: dict, path: str) -> None:
 
 
 def chart(run: dict, path: str) -> None:
-    """A PNG of samples/s: a panel per model, a bar per configuration grouped by hosts × link
-    (0 and gray text if it did not run), one process dashed across the panel, P processes
-    without communication dotted over their group. Needs matplotlib."""
+    """A PNG of samples/s: a panel per model, a bar per distributed configuration of the run
+    grouped by hosts × link (0 and gray text if it did not run), one process dashed across the
+    panel, P processes without communication dotted over their group. Needs matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = derive(run["results"])
     models = [m for m in MODELS if any(r["model"] == m for r in rows)] or ["fc"]
     fig, axes = plt.subplots(len(models), 1, figsize=(12, 3.8 * len(models)), squeeze=False)
-    names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")]
-    width = 0.8 / len(names)
+    names = [c.name for c in CONFIGS if c.kind in ("mwms", "poseidon")
+             and any(r["config"] == c.name for r in rows)]
+    width = 0.8 / max(1, len(names))  # none yet while only the one-process runs are done
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         combos = sorted({(r["ranks"], r["bandwidth"]) for r in mine if r["ranks"] > 1},
-                        key=lambda c: (c[0], rate_bits(c[1]) or 0))
+                        key=lambda c: _place(model, *c))
         top = max([r["samples_per_s"] for r in mine if _ok(r)] or [1.0])
         for j, (ranks, bw) in enumerate(combos):
             for i, r in enumerate(find(mine, model, name, ranks, bw) for name in names):

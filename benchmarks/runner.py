@@ -1,7 +1,7 @@
 """Runs benchmark jobs: the hosts, the launch of every rank of benchmarks/worker.py, the ranks'
 result files, repeats and timeouts; and the command line of the per-feature benchmarks.
 
-Hosts (:func:`hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
+Hosts (:meth:`Bench.hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
 links shaped with tc, real multi-host ``mpirun`` over TCP; needs root) or :class:`Loopback`
 (``--no-netns``, or where namespaces cannot be built): the ranks unshaped on this machine.
 Both are context managers whose exit kills what they started.
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from benchmarks import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MWMS_PORT = 23456  # each emulated host has its own network namespace, so one port for all
@@ -66,16 +68,6 @@ class Loopback:
             self.__exit__()
             raise subprocess.TimeoutExpired(argv, timeout, *proc.communicate()) from None
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def hosts(ranks: int, bandwidth: str | None, emulate: bool, shared_lo: bool = False):
-    """Where a job of ``ranks`` ranks runs (use with ``with``): ``ranks`` emulated hosts at
-    ``bandwidth`` (a tc rate; None: unshaped), with ``shared_lo`` one namespace's shaped ``lo``
-    (ShapedLoopback), or without ``emulate`` the unshaped :class:`Loopback`."""
-    if not emulate:
-        return Loopback(ranks)
-    from tf_poseidon.testing import EmulatedCluster, ShapedLoopback
-    return ShapedLoopback(bandwidth) if shared_lo else EmulatedCluster(ranks, bandwidth)
 
 
 def emulation(no_netns: bool) -> tuple[bool, str]:
@@ -148,52 +140,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(job: Job, cluster, timeout: float, logs: str | None = None, say=None) -> dict:
-    """Runs ``job`` on ``cluster`` to its end or its timeout (blocking); returns ``{"status":
-    "ok" | "not available" | "failed" | "timed out", "message", "per_rank": the ranks' result
-    dicts in rank order, "wall_s", "log"}``. The log and the ranks' files go into a new
-    directory under ``logs``; ``say`` shows rank 0's progress lines while the job runs.
-    KeyboardInterrupt passes through (the cluster's exit ends the job)."""
-    out = tempfile.mkdtemp(prefix=f"{job.kind}-{job.args.get('model', '')}-", dir=logs)
-    argv, outcome, shown, alive, start = command(job, cluster, out), {}, 0, True, time.monotonic()
-
-    def target():
-        try:
-            outcome["done"] = cluster.run(argv, timeout=timeout, env=rank_env())
-        except BaseException as e:  # raised again by the calling thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    while alive:
-        thread.join(1.0)
-        alive = thread.is_alive()  # before reading the progress: no last line is missed
-        progress = _lines(os.path.join(out, "progress"))
-        for line in progress[shown:] if say else []:
-            say(f"      {line}")
-        shown = len(progress)
-    done, error = outcome.get("done"), outcome.get("error")
-    if error is not None and not isinstance(error, subprocess.TimeoutExpired):
-        raise error
-    log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
-                  for x in ((done or error).stdout, (done or error).stderr))
-    with open(os.path.join(out, "log"), "w") as f:
-        f.write(shlex.join(argv) + "\n\n" + log)
-    files = [os.path.join(out, f"rank{r}.json") for r in range(job.ranks)]
-    per_rank = [json.load(open(p)) for p in files if os.path.exists(p)]
-    unavailable = [r["message"] for r in per_rank if r["status"] == "not available"]
-    status, message = ("ok", "") if done and done.returncode == 0 and len(per_rank) == \
-        job.ranks else ("failed", f"exit {done and done.returncode}, {len(per_rank)}/"
-                                  f"{job.ranks} ranks reported; {error_line(log)}")
-    if error is not None:
-        status, message = "timed out", f"no result within {timeout:g} s; last progress: " + (
-            _lines(os.path.join(out, "progress")) or ["none (did not start training)"])[-1]
-    elif unavailable:
-        status, message = "not available", unavailable[0]
-    return {"status": status, "message": message, "per_rank": per_rank,
-            "wall_s": time.monotonic() - start, "log": os.path.join(out, "log")}
-
-
 def _lines(path: str) -> list[str]:
     with contextlib.suppress(OSError), open(path) as f:
         return f.read().splitlines()
@@ -211,23 +157,24 @@ def error_line(log: str) -> str:
     return (raised[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
 
 
-def aggregate(per_rank: list[dict], batch: int) -> dict:
+def aggregate(per_rank: list[dict]) -> dict:
     """A training job's figures from its ranks' results: ``samples_per_s`` of all ranks (all
     timed samples over the slowest rank's window: a rank running ahead, as SSP and EASGD allow,
     counts for no more than the job finishes), ``span_samples_per_s`` (the same samples over
-    the latest end minus the earliest start: one machine's monotonic clock), the slowest rank's
-    step, wire bytes per timed step per host, and tf_poseidon's bytes per step (the busiest
+    the latest end minus the earliest start: one machine's monotonic clock), ``step_s`` (the
+    slowest rank's window over its steps), ``step_median_s`` (the largest of the ranks' median
+    steps), wire bytes per timed step per host, and tf_poseidon's bytes per step (the busiest
     rank's) and overlapped share of communication (the ranks' mean)."""
     per_rank = sorted(per_rank, key=lambda r: r["rank"])
     slowest = max(per_rank, key=lambda r: r["window_s"])
-    samples = sum(batch * r["steps"] for r in per_rank)
+    samples = sum(r["batch"] * r["steps"] for r in per_rank)
     stats = [r["poseidon_stats"] for r in per_rank if r.get("poseidon_stats")]
     hidden = [s["hidden_fraction"] for s in stats if s.get("hidden_fraction") is not None]
     return {"samples_per_s": samples / slowest["window_s"],
             "span_samples_per_s": samples / (max(r["end_s"] for r in per_rank)
                                              - min(r["start_s"] for r in per_rank)),
             "step_s": slowest["window_s"] / slowest["steps"],
-            "step_median_s": statistics.median_low(slowest["step_times_s"]),
+            "step_median_s": max(statistics.median(r["step_times_s"]) for r in per_rank),
             "steps": per_rank[0]["steps"], "hosts": [r["host"] for r in per_rank],
             "loadavg": max(r["loadavg"] for r in per_rank),
             **{f"{d}_bytes_per_step": [r[f"{d}_bytes"] / r["steps"] if f"{d}_bytes" in r
@@ -239,43 +186,110 @@ def aggregate(per_rank: list[dict], batch: int) -> dict:
 
 
 class Bench:
-    """What a per-feature benchmark measures with: where its ranks run, the timeout per job,
-    the logs directory and ``say`` for progress."""
+    """How a benchmark runs its jobs: on emulated hosts if ``emulate`` (else unshaped on this
+    machine), each job for at most ``timeout`` seconds, its log and rank files in a new
+    directory of one ``tfp-bench-*`` directory made under ``logs`` (None: the system's
+    temporary directory), progress through ``say``."""
 
-    def __init__(self, emulate: bool, timeout: float, logs: str, say=print):
-        self.emulate, self.timeout, self.logs, self.say = emulate, timeout, logs, say
+    def __init__(self, emulate: bool, timeout: float, logs: str | None, say=print):
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+        self.emulate, self.timeout, self.say = emulate, timeout, say
+        self.logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=logs)
 
-    def hosts(self, ranks: int, bandwidth: str | None = None, **kwargs):
-        return hosts(ranks, None if bandwidth == "none" else bandwidth, self.emulate, **kwargs)
+    def hosts(self, ranks: int, bandwidth: str | None = None, shared_lo: bool = False):
+        """Where a job of ``ranks`` ranks runs (use with ``with``): ``ranks`` emulated hosts
+        at ``bandwidth`` (a tc rate; None or "none": unshaped), with ``shared_lo`` one
+        namespace's shaped ``lo`` (ShapedLoopback); :class:`Loopback` for one rank or when
+        not emulating."""
+        if not self.emulate or ranks == 1:
+            return Loopback(ranks)
+        from tf_poseidon.testing import EmulatedCluster, ShapedLoopback
+        bandwidth = None if bandwidth == "none" else bandwidth
+        return ShapedLoopback(bandwidth) if shared_lo else EmulatedCluster(ranks, bandwidth)
+
+    def run(self, cluster, job: Job, progress: bool = False) -> dict:
+        """Runs ``job`` on ``cluster`` to its end or its timeout (blocking; with ``progress``
+        rank 0's progress lines are said meanwhile); returns ``{"status": "ok" | "not
+        available" | "failed" | "timed out", "message", "per_rank": the ranks' result dicts
+        in rank order, "wall_s", "log"}`` with, for a training job that succeeded, the
+        :func:`aggregate` figures. KeyboardInterrupt passes through (the cluster's exit ends
+        the job)."""
+        out = tempfile.mkdtemp(prefix=f"{job.kind}-{job.args.get('model', '')}-", dir=self.logs)
+        argv, start, ended = command(job, cluster, out), time.monotonic(), threading.Event()
+        progress_file = os.path.join(out, "progress")
+        tail = threading.Thread(target=self._tail, args=(progress_file, ended), daemon=True)
+        if progress:
+            tail.start()
+        try:
+            done = cluster.run(argv, timeout=self.timeout, env=rank_env())
+        except subprocess.TimeoutExpired as e:
+            done = e
+        finally:
+            ended.set()
+            if progress:
+                tail.join()
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                      for x in (done.stdout, done.stderr))
+        with open(os.path.join(out, "log"), "w") as f:
+            f.write(shlex.join(argv) + "\n\n" + log)
+        files = [os.path.join(out, f"rank{r}.json") for r in range(job.ranks)]
+        per_rank = [json.load(open(p)) for p in files if os.path.exists(p)]
+        unavailable = [r["message"] for r in per_rank if r["status"] == "not available"]
+        if isinstance(done, subprocess.TimeoutExpired):
+            status, message = "timed out", f"no result within {self.timeout:g} s; last " \
+                "progress: " + (_lines(progress_file) or ["none (did not start training)"])[-1]
+        elif unavailable:
+            status, message = "not available", unavailable[0]
+        elif done.returncode == 0 and len(per_rank) == job.ranks:
+            status, message = "ok", ""
+        else:
+            status, message = "failed", f"exit {done.returncode}, {len(per_rank)}/{job.ranks} " \
+                f"ranks reported; {error_line(log)}"
+        result = {"status": status, "message": message, "per_rank": per_rank}
+        if status == "ok" and "steps" in per_rank[0]:
+            result |= aggregate(per_rank)
+        return result | {"wall_s": time.monotonic() - start, "log": os.path.join(out, "log")}
+
+    def _tail(self, path: str, ended: threading.Event) -> None:
+        shown = 0
+        while True:
+            last = ended.wait(1.0)  # before reading: no last line is missed
+            lines = _lines(path)
+            for line in lines[shown:]:
+                self.say(f"      {line}")
+            shown = len(lines)
+            if last:
+                return
 
     def repeat(self, cluster, jobs: dict[str, Job], repeats: int = 1) -> dict[str, list[dict]]:
         """Every job ``repeats`` times, interleaved (A, B, A, B, ...) so that a drift of the
-        machine's speed hits all alike (blocking): per job name, its results (:func:`run`
-        with the :func:`aggregate` figures of a training job). Raises RuntimeError, naming the
-        log, for a job that did not succeed: a per-feature table needs every figure."""
+        machine's speed hits all alike (blocking): per job name, its results (:meth:`run`).
+        Raises RuntimeError, naming the log, for a job that did not succeed: a per-feature
+        table needs every figure."""
         runs: dict[str, list[dict]] = {name: [] for name in jobs}
         for _ in range(repeats):
             for name, job in jobs.items():
-                r = run(job, cluster, self.timeout, self.logs)
+                r = self.run(cluster, job)
                 if r["status"] != "ok":
                     raise RuntimeError(f"{name}: {r['status']}: {r['message']} ({r['log']})")
-                if "steps" in r["per_rank"][0]:
-                    r.update(aggregate(r["per_rank"], job.args.get("batch", 32)))
                 runs[name].append(r)
                 self.say(f"{name}: {r['wall_s']:.0f} s" + (f", {r['step_s']:.3f} s/step" if
                          "step_s" in r else "") + f", load {os.getloadavg()[0]:.1f}")
         return runs
 
 
-def versus(args, bench: Bench, batch: int, variants: dict[str, tuple[dict, dict]]) -> dict:
+def versus(args, bench: Bench, variants: dict[str, tuple[dict, dict]]) -> dict:
     """A protocol against its baseline (benchmarks/sfb.py, benchmarks/sparse.py), blocking:
     for each ``--ranks``, on that many hosts at ``--bandwidth``, one tf_poseidon job per
-    variant (name → (worker flags, strategy options); the baseline first) at ``batch`` rows
+    variant (name → (worker flags, strategy options); the baseline first) at ``--batch`` rows
     per rank and, on the first cluster unless ``--no-single``, one process alone; each
     ``--repeats`` times, interleaved. Returns {"bandwidth", "batch", "variants" (the names),
-    "runs": one dict of figures per run}."""
-    model = model_args(args) | {"batch": batch}
-    out = {"bandwidth": args.bandwidth, "batch": batch, "variants": list(variants), "runs": []}
+    "runs": per run its step (the slowest rank's median), samples/s at that step, rank 0's
+    bytes per step (eth0, strategy.stats()) and its plan}."""
+    model = model_args(args)
+    out = {"bandwidth": args.bandwidth, "batch": args.batch, "variants": list(variants),
+           "runs": []}
     for ranks in args.ranks:
         jobs = {(name, ranks): Job("poseidon", ranks, model | flags, options)
                 for name, (flags, options) in variants.items()}
@@ -284,17 +298,13 @@ def versus(args, bench: Bench, batch: int, variants: dict[str, tuple[dict, dict]
         with bench.hosts(ranks, args.bandwidth) as cluster:
             runs = bench.repeat(cluster, {f"P={p} {v}": job for (v, p), job in jobs.items()},
                                 args.repeats)
-        for (variant, p), results in zip(jobs, runs.values()):
-            for r in results:
-                first = r["per_rank"][0]
-                step = max(statistics.median(x["step_times_s"]) for x in r["per_rank"])
-                tx = first.get("tx_bytes") if p > 1 else None
-                out["runs"].append({
-                    "ranks": p, "variant": variant, "step_time_s": step,
-                    "samples_per_s": batch * p / step,
-                    "eth0_tx_bytes_per_step": None if tx is None else tx / first["steps"],
-                    "stats_bytes_sent_per_step": first.get("poseidon_stats", {}).get(
-                        "bytes_sent"), "plan": first.get("plan", "")})
+        out["runs"] += [{
+            "ranks": p, "variant": variant, "step_time_s": r["step_median_s"],
+            "samples_per_s": args.batch * p / r["step_median_s"],
+            "eth0_tx_bytes_per_step": r["tx_bytes_per_step"][0] if p > 1 else None,
+            "stats_bytes_sent_per_step": r["per_rank"][0].get("poseidon_stats", {}).get(
+                "bytes_sent"), "plan": r["per_rank"][0].get("plan", "")}
+            for (variant, p), results in zip(jobs, runs.values()) for r in results]
     return out
 
 
@@ -309,10 +319,7 @@ def versus_table(results: dict, column: str) -> list[str]:
     chosen = {key: next(r for r in group if r["step_time_s"] == statistics.median_low(
         x["step_time_s"] for x in group)) for key, group in runs.items()}
     mb = lambda value: "-" if value is None else f"{value / 1e6:.2f}"  # noqa: E731
-    lines = [f"{results['bandwidth']} per host, batch {results['batch']} per rank, one compute "
-             "thread per rank", "", f"| P | {column} | step (s) | samples/s | MB/step/rank "
-             f"(stats) | MB/step/rank (eth0 tx) | bytes {new}/{base} | speed-up {new}/{base} | "
-             "step of each run (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (alone, ranks, variant), r in sorted(chosen.items()):
         baseline, ratio, speedup = chosen.get((False, ranks, base)), "-", "-"
         if variant == new and baseline:
@@ -321,29 +328,31 @@ def versus_table(results: dict, column: str) -> list[str]:
                 eth0 = r["eth0_tx_bytes_per_step"] / baseline["eth0_tx_bytes_per_step"]
                 ratio += f" (eth0 {eth0:.2%})"
             speedup = f"{baseline['step_time_s'] / r['step_time_s']:.2f}×"
-        each = ", ".join(f"{x['step_time_s']:.2f}" for x in runs[(alone, ranks, variant)])
-        lines.append(f"| {'1 (alone)' if alone else ranks} | {variant} | "
-                     f"{r['step_time_s']:.3f} | {r['samples_per_s']:.1f} | "
-                     f"{mb(r['stats_bytes_sent_per_step'])} | {mb(r['eth0_tx_bytes_per_step'])} "
-                     f"| {ratio} | {speedup} | {each} |")
-    return lines + [f"\nThe plan of {column}={new} at P={r['ranks']}:\n{r['plan']}"
-                    for (_, _, variant), r in sorted(chosen.items()) if variant == new
-                    and r["plan"]]
+        rows.append(["1 (alone)" if alone else ranks, variant, f"{r['step_time_s']:.3f}",
+                     f"{r['samples_per_s']:.1f}", mb(r["stats_bytes_sent_per_step"]),
+                     mb(r["eth0_tx_bytes_per_step"]), ratio, speedup,
+                     ", ".join(f"{x['step_time_s']:.2f}" for x in runs[(alone, ranks, variant)])])
+    return [f"{results['bandwidth']} per host, batch {results['batch']} per rank, one compute "
+            "thread per rank", "", *report.table(
+                ["P", column, "step (s)", "samples/s", "MB/step/rank (stats)",
+                 "MB/step/rank (eth0 tx)", f"bytes {new}/{base}", f"speed-up {new}/{base}",
+                 "step of each run (s)"], rows)] + [
+        f"\nThe plan of {column}={new} at P={r['ranks']}:\n{r['plan']}"
+        for (_, _, variant), r in sorted(chosen.items()) if variant == new and r["plan"]]
 
 
-def feature_main(argv, doc: str, measure, table, emulated: bool = True,
-                 choices: dict | None = None, **defaults) -> int:
-    """The command line of a per-feature benchmark (``doc``: its docstring, whose first two
-    paragraphs are the description and the usage): the common options, one per ``defaults``
-    entry (a list: one or more values; False: a bare flag) with ``choices`` (name → allowed
-    values); ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
+def feature_main(doc: str, measure, table, emulated: bool = True, choices: dict | None = None,
+                 **defaults) -> int:
+    """The command line of a per-feature benchmark (``doc``, its docstring, is the help's
+    description): the common options, one per ``defaults`` entry (a list: one or more values;
+    False: a bare flag) with ``choices`` (name → allowed values), each default shown by
+    ``--help``; ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
     ``table(results) -> lines``, printed (``--from-json``: of saved results, measuring
     nothing). Not ``emulated``: the ranks always run on this machine."""
-    description, usage = doc.split("\n\n")[:2]
-    p = argparse.ArgumentParser(description=description, usage=usage.strip(),
-                                allow_abbrev=False)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
-    p.add_argument("--logs", help="directory for the jobs' logs (default: a new one in /tmp)")
+    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job; 900")
+    p.add_argument("--logs", help="a new directory for the jobs' logs goes here (else in /tmp)")
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--from-json", help="print the table of an earlier --json file")
     for name, value in (defaults | ({"no_netns": False} if emulated else {})).items():
@@ -352,8 +361,9 @@ def feature_main(argv, doc: str, measure, table, emulated: bool = True,
             p.add_argument(flag, action="store_true")
         else:
             p.add_argument(flag, type=type(value[0] if many else value), default=value,
-                           nargs="+" if many else None, choices=(choices or {}).get(name))
-    args = p.parse_args(argv)
+                           nargs="+" if many else None, choices=(choices or {}).get(name),
+                           help=f"default: {' '.join(map(str, value)) if many else value}")
+    args = p.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
             results = json.load(f)
@@ -361,14 +371,23 @@ def feature_main(argv, doc: str, measure, table, emulated: bool = True,
         emulate, where = emulation(args.no_netns) if emulated else (False, "this machine")
         if not emulate and hasattr(args, "bandwidth"):  # what the tables say of the links
             args.bandwidth = ["none"] if isinstance(args.bandwidth, list) else "none"
-        logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=args.logs)
-        print(f"Hosts: {where}\nLogs: {logs}\nLoad average: {os.getloadavg()[0]:.1f}", flush=True)
-        results = measure(args, Bench(emulate, args.timeout, logs, lambda t: print(t, flush=True)))
+        bench = Bench(emulate, args.timeout, args.logs, lambda text: print(text, flush=True))
+        print(f"Hosts: {where}\nLogs: {bench.logs}\nLoad average: {os.getloadavg()[0]:.1f}",
+              flush=True)
+        results = measure(args, bench)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
     print("\n" + "\n".join(table(results)))
     return 0
+
+
+def versus_main(doc: str, column: str, variants: dict[str, tuple[dict, dict]],
+                **defaults) -> int:
+    """:func:`feature_main` of a :func:`versus` benchmark of ``variants``, named in the
+    table's ``column``."""
+    return feature_main(doc, lambda args, bench: versus(args, bench, variants),
+                        lambda results: versus_table(results, column), **defaults)
 
 
 def model_args(args) -> dict:

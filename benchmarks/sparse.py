@@ -1,10 +1,6 @@
 """Sparse embedding gradients gathered as rows against the dense all-reduce of the whole table
 (docs/synchronization.md).
 
-    python -m benchmarks.sparse [--ranks 2] [--bandwidth 1gbit] [--batch 256] [--steps 6]
-                                [--warmup 2] [--repeats 3] [--no-single]
-                                [--json results.json] [--from-json results.json]
-
 On emulated clusters of each --ranks hosts Keras fit trains the ``embedding`` model
 (benchmarks/models.py: Embedding(1_000_000, 64), 8 ids per example, then an MLP) with SGD at
 --batch rows per rank. ``sparse``: tf_poseidon's default (the per-layer plan gathers the rows
@@ -18,21 +14,8 @@ import sys
 
 from benchmarks import runner
 
-
-def measure(args, bench: runner.Bench) -> dict:
-    return runner.versus(args, bench, args.batch, {"dense": ({"dense_gradients": True}, {}),
-                                                   "sparse": ({}, {})})
-
-
-def table(results: dict) -> list[str]:
-    return runner.versus_table(results, "gradients")
-
-
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, choices={"model": ["embedding"]},
-                               ranks=[2], bandwidth="1gbit", steps=6, warmup=2, repeats=3,
-                               model="embedding", batch=256, no_single=False)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.versus_main(
+        __doc__, "gradients", {"dense": ({"dense_gradients": True}, {}), "sparse": ({}, {})},
+        choices={"model": ["embedding"]}, ranks=[2], bandwidth="1gbit", steps=6, warmup=2,
+        repeats=3, model="embedding", batch=256, no_single=False))

@@ -1,8 +1,5 @@
 """SSP (staleness 3) against sync, without a straggler and with one rank slowed (docs/ssp.md).
 
-    python -m benchmarks.ssp [--ranks 2 3] [--repeats 3] [--delay 0.1]
-                             [--stragglers none moving fixed] [--width 1024] [--batch 128]
-
 Keras fit of an MLP of three Dense(--width) layers, --batch rows per rank and step, 10 warm-up
 and --steps (100) timed steps, on this machine's loopback: sync and mode="ssp", staleness=3,
 under each straggler condition: ``none``; ``moving`` — on one step in five one rank sleeps
@@ -19,7 +16,7 @@ faster than c, and SSP can do better than that.) A benchmark, not a test.
 import statistics
 import sys
 
-from benchmarks import runner
+from benchmarks import report, runner
 
 MODES = {"sync": {"mode": "sync"}, "ssp3": {"mode": "ssp", "staleness": 3}}
 STRAGGLERS = {"none": {}, "moving": {"straggler": "moving"}, "fixed": {"straggler": 0}}
@@ -42,28 +39,23 @@ def measure(args, bench: runner.Bench) -> dict:
 
 
 def table(results: dict) -> list[str]:
-    lines = ["| ranks | straggler | sync (samples/s) | SSP s=3 (samples/s) | SSP / sync "
-             "(pairs: min–max) | model |", "|---|---|---|---|---|---|"]
-    step_s, d = {}, results["delay"]
+    rows, step_s, d = [], {}, results["delay"]
     for row in results["rows"]:
         p, sync, ssp = row["ranks"], row["sync"], row["ssp3"]
         ratios = [b / a for a, b in zip(sync, ssp)]
         if row["straggler"] == "none":
             step_s[p] = p * results["batch"] / statistics.median(sync)
         c = step_s.get(p) if row["straggler"] == "moving" else None
-        lines.append(f"| {p} | {row['straggler']} | {statistics.median(sync):.0f} | "
-                     f"{statistics.median(ssp):.0f} | {statistics.median(ratios):.2f} "
-                     f"({min(ratios):.2f}–{max(ratios):.2f}) | "
-                     f"{'–' if c is None else f'{(5 * c + d) / (5 * c + d / p):.2f}'} |")
-    return lines
-
-
-def main(argv=None) -> int:
-    return runner.feature_main(argv, __doc__, measure, table, emulated=False,
-                               choices={"stragglers": list(STRAGGLERS)}, ranks=[2, 3],
-                               repeats=3, delay=0.1, stragglers=list(STRAGGLERS), width=1024,
-                               batch=128, steps=100)
+        rows.append([p, row["straggler"], f"{statistics.median(sync):.0f}",
+                     f"{statistics.median(ssp):.0f}", f"{statistics.median(ratios):.2f} "
+                     f"({min(ratios):.2f}–{max(ratios):.2f})",
+                     "–" if c is None else f"{(5 * c + d) / (5 * c + d / p):.2f}"])
+    return report.table(["ranks", "straggler", "sync (samples/s)", "SSP s=3 (samples/s)",
+                         "SSP / sync (pairs: min–max)", "model"], rows)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runner.feature_main(__doc__, measure, table, emulated=False,
+                                 choices={"stragglers": list(STRAGGLERS)}, ranks=[2, 3],
+                                 repeats=3, delay=0.1, stragglers=list(STRAGGLERS), width=1024,
+                                 batch=128, steps=100))

@@ -3,41 +3,32 @@ emulated commodity-Ethernet cluster (docs/benchmarks.md).
 
     python -m benchmarks.suite                 # all models; 2 hosts at 1 and 10 gbit, 4 hosts
                                                # at 1 gbit (54 min on an idle 2-core machine)
-    python -m benchmarks.suite --quick         # a few minutes: FC model, 2 hosts, 1 gbit
-    python -m benchmarks.suite --models fc --ranks 2 --bandwidths 1gbit --steps 8
-    python -m benchmarks.suite --list          # the configurations and models
+    python -m benchmarks.suite --models fc --ranks 2 --bandwidths 1gbit --steps 2 --out /tmp/q
     python -m benchmarks.suite --report-only docs/benchmarks/results.json  # rewrite md + png
 
 From the repository root, as root (network namespaces). The one-process references run first,
 then per (ranks, bandwidth) one cluster (benchmarks/runner.py) runs every model and
 configuration (benchmarks/report.py: CONFIGS). After each configuration the results so far are
-saved (``--out``: the results block of benchmarks.md and benchmarks.png; ``--json``: the run),
-so Ctrl-C, a crash or a timeout keeps what was measured. Options the strategy refuses with
-NotImplementedError are recorded as "not available". Blocks; prints progress and the tables.
+saved in ``--out`` (docs/): the run in benchmarks/results.json, the results block of
+benchmarks.md and benchmarks.png, so Ctrl-C, a crash or a timeout keeps what was measured.
+Options the strategy refuses with NotImplementedError are recorded as "not available". Blocks;
+prints progress and the tables.
 """
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 
 from benchmarks import report, runner
 from benchmarks.models import MODELS
-from benchmarks.report import CONFIG_BY_NAME, CONFIGS, Config
-
-FULL = {"models": ["fc", "vgg", "resnet"], "ranks": [2, 4], "bandwidths": ["1gbit", "10gbit"],
-        "warmup": 1, "steps": 4, "timeout": 900.0,
-        # Without --ranks/--bandwidths, 4 hosts at 1 gbit only: at 10 gbit this machine's 2
-        # cores are the limit, not the link (docs/cluster.md).
-        "skip": [(4, "10gbit")]}
-QUICK = {"models": ["fc"], "ranks": [2], "bandwidths": ["1gbit"], "warmup": 1, "steps": 2,
-         "timeout": 300.0}
+from benchmarks.report import CONFIG_BY_NAME, Config
 
 
 def precheck(config: Config, ranks: int) -> tuple[str, str] | None:
@@ -74,48 +65,36 @@ def plan(settings: dict) -> list[tuple[int, str | None, str, Config]]:
         if c.kind != "single"]
 
 
-def run_suite(settings: dict, emulate: bool, emulation: str, save, command: str,
-              say=print) -> dict:
+def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command: str) -> dict:
     """Runs every planned configuration, ``save(run)`` after each; returns the run dict.
     Ctrl-C (or SIGTERM/SIGHUP while a cluster is open) ends it, status "interrupted", after
     saving what was measured."""
     run = {"command": command, "started": _now(), "finished": None, "status": "running",
            "settings": settings, "environment": environment(), "emulation": emulation,
            "results": []}
-    os.makedirs(settings.get("logs") or tempfile.gettempdir(), exist_ok=True)
-    logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=settings.get("logs"))
-    say(f"Logs of every configuration: {logs}")
+    say = bench.say
+    say(f"Logs of every configuration: {bench.logs}")
     todo, t0, current = plan(settings), time.monotonic(), None
     try:
-        for ranks, bw in dict.fromkeys((ranks, bw) for ranks, bw, _, _ in todo):
-            pending = []
-            for i, (model, config) in ((i, t[2:]) for i, t in enumerate(todo)
-                                       if t[:2] == (ranks, bw)):
-                where = f"({i + 1}/{len(todo)}) {model} {report.link_label(bw, ranks)}"
-                verdict = precheck(config, ranks)
-                if verdict is None:
-                    pending.append((where, model, config))
-                    continue
-                run["results"].append({"model": model, "config": config.name, "ranks": ranks,
-                                       "bandwidth": bw, "status": verdict[0],
-                                       "message": verdict[1]})
-                say(f"[{_clock(t0)}] {where} {config.name}: {verdict[0]}: {verdict[1]}")
-            save(run)
-            if not pending:
-                continue
-            with runner.hosts(ranks, bw, emulate and ranks > 1) as cluster:
-                for where, model, config in pending:
+        for (ranks, bw), group in itertools.groupby(enumerate(todo), key=lambda t: t[1][:2]):
+            with bench.hosts(ranks, bw) as cluster:
+                for i, (_, _, model, config) in group:
                     current = {"model": model, "config": config.name, "ranks": ranks,
                                "bandwidth": bw}
-                    say(f"[{_clock(t0)}] {where} {config.name} — {config.label}")
-                    done = runner.run(job_for(config, model, ranks, settings), cluster,
-                                      settings["timeout"], logs, say)
-                    result = current | {"status": done["status"], "message": done["message"]}
-                    if done["status"] == "ok":
-                        result.update(runner.aggregate(done["per_rank"], settings["batch"]))
-                    run["results"].append(result | {"wall_s": done["wall_s"], "log": done["log"]})
+                    where = f"[{_clock(t0)}] ({i + 1}/{len(todo)}) {model} " \
+                        f"{report.link_label(bw, ranks)} {config.name}"
+                    verdict = precheck(config, ranks)
+                    if verdict:
+                        say(f"{where}: {verdict[0]}: {verdict[1]}")
+                        current |= {"status": verdict[0], "message": verdict[1]}
+                    else:
+                        say(f"{where} — {config.label}")
+                        job = job_for(config, model, ranks, settings)
+                        done = bench.run(cluster, job, progress=True)
+                        current |= {k: v for k, v in done.items() if k != "per_rank"}
+                        say(f"      → {_summary(current)}")
+                    run["results"].append(current)
                     current = None
-                    say(f"      → {_summary(run['results'][-1])}")
                     save(run)
         run["status"] = "complete"
     except (KeyboardInterrupt, SystemExit) as e:
@@ -146,9 +125,9 @@ def mark_not_run(run: dict, todo) -> None:
 def _summary(r: dict) -> str:
     if r["status"] != "ok":
         return f"{r['status']}: {r['message']}"
-    wire = [b for b in r.get("tx_bytes_per_step") or [] if b is not None]
+    wire = report.busiest(r)
     return (f"{r['samples_per_s']:.1f} samples/s, {r['step_s']:.3f} s/step"
-            + (f", {max(wire) / 1e6:.1f} MB/step sent by the busiest host" if wire else "")
+            + (f", {wire / 1e6:.1f} MB/step sent by the busiest host" if wire is not None else "")
             + f" ({r['wall_s']:.0f} s)")
 
 
@@ -162,34 +141,35 @@ def _clock(t0: float) -> str:
 
 def environment() -> dict[str, str]:
     """CPU, cores, memory, OS and the versions that matter, for the report."""
-    import tf_poseidon
+    import tf_poseidon  # first: it sizes TensorFlow's thread pools
+    import keras
+    import mpi4py
+    import tensorflow as tf
     from tf_poseidon.launcher import find_mpirun
-    out = lambda *argv, **kw: subprocess.run(argv, capture_output=True, text=True,  # noqa
-                                             **kw).stdout.strip() or "unknown"
+    out = lambda *argv: subprocess.run(argv, capture_output=True,  # noqa: E731
+                                       text=True).stdout.strip() or "unknown"
     info = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for path in (
         "/proc/cpuinfo", "/proc/meminfo") for line in open(path) if ":" in line}
-    tf_v, keras_v, mpi4py_v = (out(sys.executable, "-c", "import tensorflow as tf, keras, mpi4py;"
-                                   " print(tf.__version__, keras.__version__, mpi4py.__version__)",
-                                   env=os.environ | {"TF_CPP_MIN_LOG_LEVEL": "3"}).split()
-                               + ["?"] * 3)[:3]
     return {"CPU": info.get("model name", "unknown"),
             "cores": f"{os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
             "memory": f"{int(info['MemTotal'].split()[0]) / 2**20:.0f} GiB",
             "OS": f"{platform.system()} {platform.release()}",
-            "Python": platform.python_version(), "TensorFlow": tf_v, "Keras": keras_v,
-            "Open MPI": out(find_mpirun(), "--version").splitlines()[0], "mpi4py": mpi4py_v,
+            "Python": platform.python_version(), "TensorFlow": tf.__version__,
+            "Keras": keras.__version__, "Open MPI": out(find_mpirun(), "--version").splitlines()[0],
+            "mpi4py": mpi4py.__version__,
             "tf_poseidon commit": out("git", "-C", runner.ROOT, "describe", "--always", "--dirty"),
             "tf_poseidon imported from": os.path.dirname(os.path.abspath(tf_poseidon.__file__)),
             "load average at start (1 min)": f"{os.getloadavg()[0]:.2f} (other jobs may share "
                                              "the machine: see the load column)"}
 
 
-def saver(out: str, json_path: str):
-    """``save(run)``: writes the run's JSON, the results block of OUT/benchmarks.md and
-    OUT/benchmarks.png."""
+def saver(out: str):
+    """``save(run)``: writes the run to OUT/benchmarks/results.json, its results block into
+    OUT/benchmarks.md and its chart to OUT/benchmarks.png."""
+    json_path = os.path.join(out, "benchmarks", "results.json")
+
     def save(run: dict) -> None:
-        for path in (out, os.path.dirname(os.path.abspath(json_path))):
-            os.makedirs(path, exist_ok=True)
+        os.makedirs(os.path.dirname(json_path), exist_ok=True)
         with open(json_path + ".tmp", "w") as f:
             f.write(json.dumps(run, indent=1) + "\n")
         os.replace(json_path + ".tmp", json_path)
@@ -213,39 +193,37 @@ def print_tables(run: dict, say=print) -> None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.suite", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"a few minutes: {QUICK}; writes to "
-                   "benchmarks/quick-results/ unless --out is given")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), help=f"{FULL['models']}")
-    p.add_argument("--ranks", nargs="+", type=int, help=f"hosts, one rank each; {FULL['ranks']}")
-    p.add_argument("--bandwidths", nargs="+", help=f"tc rates, 'none' = unshaped; "
-                   f"{FULL['bandwidths']} (without --ranks/--bandwidths, 4 hosts at 1gbit only)")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIG_BY_NAME), help="all (--list)")
-    p.add_argument("--warmup", type=int, help=f"untimed steps (>= 1); {FULL['warmup']}")
-    p.add_argument("--steps", type=int, help=f"timed steps; {FULL['steps']}")
-    p.add_argument("--batch", type=int, default=32, help="rows per rank per step (32)")
-    p.add_argument("--timeout", type=float, help=f"seconds per configuration; {FULL['timeout']}")
-    p.add_argument("--out", help="for benchmarks.md and .png (docs/; --quick: "
-                   "benchmarks/quick-results/)")
-    p.add_argument("--json", help="raw results (docs/benchmarks/results.json; --quick: "
-                   "benchmarks/quick-results/results.json)")
-    p.add_argument("--logs", help="each run's logs go in a new tfp-bench-* directory here (/tmp)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["fc", "vgg", "resnet"],
+                   help="fc vgg resnet")
+    p.add_argument("--ranks", nargs="+", type=int, help="hosts, one rank each; 2 4")
+    p.add_argument("--bandwidths", nargs="+", help="tc rates, 'none' = unshaped; 1gbit 10gbit "
+                   "(without --ranks or --bandwidths, 4 hosts at 1gbit only: at 10gbit this "
+                   "machine's 2 cores are the limit, not the link: docs/cluster.md)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIG_BY_NAME),
+                   default=list(CONFIG_BY_NAME), help="all (report.py: CONFIGS)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps (>= 1); 1")
+    p.add_argument("--steps", type=int, default=4, help="timed steps; 4")
+    p.add_argument("--batch", type=int, default=32, help="rows per rank per step; 32")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration; 900")
+    p.add_argument("--out", default=os.path.join(runner.ROOT, "docs"),
+                   help="for benchmarks.md, benchmarks.png and benchmarks/results.json; docs/")
+    p.add_argument("--logs", help="each run's logs go in a new tfp-bench-* directory here; /tmp")
     p.add_argument("--no-netns", action="store_true",
                    help="do not emulate hosts: all ranks unshaped on this machine's loopback")
-    p.add_argument("--list", action="store_true", help="print configurations and models")
     p.add_argument("--report-only", metavar="RUN_JSON",
                    help="rewrite benchmarks.md and .png from a saved run, measure nothing")
     return p
 
 
 def settings_from(args: argparse.Namespace) -> dict:
-    base = QUICK if args.quick else FULL
-    s = {k: getattr(args, k) if getattr(args, k) is not None else base[k]
-         for k in ("warmup", "steps", "timeout")} | {
-        "models": args.models or base["models"], "ranks": args.ranks or base["ranks"],
-        "bandwidths": [None if b == "none" else b for b in args.bandwidths or base["bandwidths"]],
-        "configs": args.configs or list(CONFIG_BY_NAME), "batch": args.batch,
-        "quick": args.quick, "logs": os.path.abspath(args.logs) if args.logs else None,
-        "skip": [] if args.ranks or args.bandwidths else base.get("skip", [])}
+    """The run's settings (saved with it) from the command line; ValueError for a value the
+    suite cannot run."""
+    s = {"models": args.models, "ranks": args.ranks or [2, 4],
+         "bandwidths": [None if b == "none" else b for b in args.bandwidths or ["1gbit", "10gbit"]],
+         "configs": args.configs, "warmup": args.warmup, "steps": args.steps,
+         "batch": args.batch, "timeout": args.timeout,
+         "logs": os.path.abspath(args.logs) if args.logs else None,
+         "skip": [] if args.ranks or args.bandwidths else [(4, "10gbit")]}
     if s["warmup"] < 1 or s["steps"] < 1:
         raise ValueError("--warmup and --steps must be at least 1 (the first step traces)")
     if any(r < 2 for r in s["ranks"]):
@@ -259,15 +237,10 @@ def settings_from(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.list:
-        print("\n".join([f"{c.name:<11} {c.label}  {c.options or ''}" for c in CONFIGS] + [
-            f"model {m.name:<7} {m.title}, input {m.input_shape}" for m in MODELS.values()]))
-        return 0
-    quick = os.path.join(runner.ROOT, "benchmarks", "quick-results")
-    out = args.out or (quick if args.quick else os.path.join(runner.ROOT, "docs"))
-    json_path = args.json or (os.path.join(quick, "results.json") if args.quick else
-                              os.path.join(runner.ROOT, "docs", "benchmarks", "results.json"))
-    save = saver(out, json_path)
+    if os.path.realpath(os.path.join(args.out, "benchmarks")) == os.path.dirname(
+            os.path.realpath(__file__)):
+        parser.error("--out: its benchmarks/ is this package; results go beside docs, not code")
+    save = saver(args.out)
     if args.report_only:
         with open(args.report_only) as f:
             run = json.load(f)
@@ -284,10 +257,11 @@ def main(argv=None) -> int:
     settings["bandwidths"] = settings["bandwidths"] if emulate else [None]
     command = "python -m benchmarks.suite " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(f"Emulation: {emulation}", flush=True)
-    run = run_suite(settings, emulate, emulation, save, command.strip(),
-                    lambda text: print(text, flush=True))
+    bench = runner.Bench(emulate, settings["timeout"], settings["logs"],
+                         lambda text: print(text, flush=True))
+    run = run_suite(settings, bench, emulation, save, command.strip())
     print_tables(run)
-    print(f"\nWrote {out}/benchmarks.md, {out}/benchmarks.png, {json_path}")
+    print(f"\nWrote benchmarks.md, benchmarks.png and benchmarks/results.json in {args.out}")
     return 130 if run["status"] == "interrupted" else 0
 
 

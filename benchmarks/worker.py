@@ -4,11 +4,14 @@
 - ``single``: Keras fit without a strategy (the compute-only reference); under ``mpirun``, P
   independent copies, which shows what sharing the cores costs alone.
 - ``poseidon``: ``tp.PoseidonStrategy(**options)``, Keras fit on global batches of P × batch
-  rows; a NotImplementedError from the constructor is recorded as "not available".
+  rows; a NotImplementedError from the constructor is recorded as "not available";
+  ``--no-agreement`` replaces the ranks' collective agreement checks by a no-op,
+  ``--dense-gradients`` applies sparse gradients as dense tensors (DenseGradientsSGD).
 - ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
   fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
 - ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
   ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
+- ``agreement``: ``--repeats`` collective agreement checks (tf_poseidon/comm/agreement.py).
 
 The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD and share
 one step clock (:class:`Clock`); ``--straggler R --delay S --every N`` makes rank R
@@ -160,6 +163,9 @@ def run_single(args, clock: Clock) -> None:
 
 def run_poseidon(args, clock: Clock) -> None:
     import tf_poseidon as tp  # first: it sizes TensorFlow's thread pools before TF starts
+    if args.no_agreement:
+        from tf_poseidon.comm import agreement
+        agreement.agree = lambda *_: None
     try:
         strategy = tp.PoseidonStrategy(**json.loads(args.options))
     except NotImplementedError as e:  # every rank raises it alike: the job ends cleanly
@@ -265,33 +271,48 @@ def run_allreduce(args, clock: Clock) -> None:
     clock.write(allreduce=results)
 
 
+def run_agreement(args, clock: Clock) -> None:
+    """``check_s``: seconds per agreement of a 4-bucket gradient signature, the mean of
+    ``--repeats`` after 50 warm-ups, timed from a barrier."""
+    from tf_poseidon import world
+    from tf_poseidon.comm import agreement
+    comm = world.mpi_comm()
+    signature = agreement.Signature("gradients", 0, (("allreduce", 4 << 20, "float32"),) * 4)
+    for _ in range(50):
+        agreement.agree(comm, signature, 60)
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        agreement.agree(comm, signature, 60)
+    clock.write(check_s=(time.perf_counter() - start) / args.repeats)
+
+
+KINDS = {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
+         "allreduce": run_allreduce, "agreement": run_agreement}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/worker.py", description=__doc__)
-    p.add_argument("--kind", choices=("single", "poseidon", "mwms", "allreduce"), required=True)
+    p.add_argument("--kind", choices=KINDS, required=True)
     p.add_argument("--out", required=True, help="directory for the result files")
     p.add_argument("--options", default="{}", help="PoseidonStrategy keyword arguments, JSON")
     p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
     p.add_argument("--straggler", help="the slowed rank, or moving")
-    p.add_argument("--spin", action="store_true")
-    p.add_argument("--dense-gradients", action="store_true", help="apply sparse gradients "
-                   "as dense tensors (DenseGradientsSGD)")
     p.add_argument("--codecs", nargs="+", default=["mpi"])
+    for flag in ("spin", "dense-gradients", "no-agreement"):
+        p.add_argument(f"--{flag}", action="store_true")
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
-                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500)):
-        p.add_argument(f"--{flag}", type=int, default=default)
-    for flag, default in (("delay", 0.1), ("megabytes", 64.0)):
-        p.add_argument(f"--{flag}", type=float, default=default)
-    for flag in ("nic", "peers", "peer-hosts"):  # mwms: host:port and hostname of every worker
-        p.add_argument(f"--{flag}", default="")
+                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500),
+                          ("delay", 0.1), ("megabytes", 64.0), ("nic", ""),
+                          ("peers", ""), ("peer-hosts", "")):  # mwms: every worker's address
+        p.add_argument(f"--{flag}", type=type(default), default=default)
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step builds the graph)")
     if args.codecs != ["mpi"] and "mpi" in args.codecs:
         p.error("--codecs mpi runs alone (its ranks do not import tf_poseidon)")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    run = {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
-           "allreduce": run_allreduce}[args.kind]
-    run(args, Clock(args))
+    KINDS[args.kind](args, Clock(args))
     return 0
 
 

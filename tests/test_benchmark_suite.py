@@ -84,7 +84,7 @@ def test_plan_runs_references_first_then_each_cluster():
 
 
 def rank_file(rank, window, steps=4, tx=1e9, stats=None, start=100.0):
-    r = {"rank": rank, "steps": steps, "window_s": window, "host": f"host{rank}",
+    r = {"rank": rank, "batch": 32, "steps": steps, "window_s": window, "host": f"host{rank}",
          "start_s": start, "end_s": start + window,
          "step_times_s": [window / steps] * steps, "first_step_s": 9.0, "tx_bytes": tx,
          "rx_bytes": tx, "affinity_cpus": 2, "loadavg": 1.5}
@@ -94,8 +94,7 @@ def rank_file(rank, window, steps=4, tx=1e9, stats=None, start=100.0):
 
 
 def test_aggregate_counts_all_samples_over_the_slowest_rank():
-    out = runner.aggregate([rank_file(1, 8.0, tx=2e9, start=101.0), rank_file(0, 4.0)],
-                           batch=32)
+    out = runner.aggregate([rank_file(1, 8.0, tx=2e9, start=101.0), rank_file(0, 4.0)])
     assert out["samples_per_s"] == pytest.approx(2 * 32 * 4 / 8.0)  # the slowest rank's time
     # latest end (109) minus earliest start (100)
     assert out["span_samples_per_s"] == pytest.approx(2 * 32 * 4 / 9.0)
@@ -103,7 +102,7 @@ def test_aggregate_counts_all_samples_over_the_slowest_rank():
     assert out["tx_bytes_per_step"] == [2.5e8, 5e8]
     assert out["hosts"] == ["host0", "host1"]
     with_stats = runner.aggregate(
-        [rank_file(0, 4.0, stats={"bytes_sent": 4e8, "hidden_fraction": 0.5})], batch=32)
+        [rank_file(0, 4.0, stats={"bytes_sent": 4e8, "hidden_fraction": 0.5})])
     assert with_stats["engine_bytes_per_step"] == 4e8 and with_stats["hidden_fraction"] == 0.5
 
 
@@ -150,13 +149,13 @@ def test_goals_pick_the_best_poseidon_configuration():
 
 
 def test_markdown_and_chart(tmp_path, plotting_path):
-    run = {"command": "python -m benchmarks.suite --quick", "started": "t0", "finished": "t1",
+    run = {"command": "python -m benchmarks.suite --models fc", "started": "t0", "finished": "t1",
            "status": "complete", "emulation": "test", "results": RESULTS,
            "environment": {"CPU": "test cpu"},
            "settings": {"models": ["fc"], "batch": 32, "warmup": 1, "steps": 2,
                         "timeout": 60.0}}
     text = report.markdown(run)
-    assert "python -m benchmarks.suite --quick" in text
+    assert "python -m benchmarks.suite --models fc" in text
     assert "| VGG-16 head (FC, 123.6 M) | 2 hosts × 1gbit | dwbp | 32.0 | 2.000 | 4.00× |" \
         in text
     assert "test cpu" in text
@@ -176,6 +175,22 @@ def test_markdown_and_chart(tmp_path, plotting_path):
     assert (tmp_path / "new.md").read_text().endswith(text)
     report.chart(run, str(tmp_path / "chart.png"))
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_committed_results_rewrite_the_committed_pages():
+    """What `--report-only docs/benchmarks/results.json` writes into docs/benchmarks.md, and the
+    table `benchmarks.sparse --from-json docs/benchmarks/sparse.json` prints, are on the pages:
+    the committed figures are reproduced by their commands."""
+    docs = os.path.join(ROOT, "docs")
+    with open(os.path.join(docs, "benchmarks", "results.json")) as f:
+        block = report.markdown(json.load(f))
+    with open(os.path.join(docs, "benchmarks.md")) as f:
+        assert block.rstrip("\n") in f.read()
+    with open(os.path.join(docs, "benchmarks", "sparse.json")) as f:
+        rows = [line for line in runner.versus_table(json.load(f), "gradients") if "|" in line]
+    with open(os.path.join(docs, "synchronization.md")) as f:
+        page = f.read()
+    assert len(rows) == 5 and all(row in page for row in rows)
 
 
 def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
@@ -199,16 +214,16 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
     # benchmarks package: the suite and its ranks then import the same tf_poseidon as this
     # test process (the installed one in CI's installed-package run, not the checkout's).
     (tmp_path / "benchmarks").symlink_to(os.path.join(ROOT, "benchmarks"))
+    out = tmp_path / "out"  # not tmp_path: its benchmarks/ is the package
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.suite", "--no-netns", "--models", "tiny",
          "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
-         "1", "--timeout", "240", "--out", str(tmp_path), "--json",
-         str(tmp_path / "run.json"), "--logs", str(tmp_path / "logs")],
+         "1", "--timeout", "240", "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [os.environ.get("PYTHONPATH"), plotting_path]))})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = json.loads((tmp_path / "run.json").read_text())
+    run = json.loads((out / "benchmarks" / "results.json").read_text())
     assert run["status"] == "complete"
     by_config = {r["config"]: r for r in run["results"]}
     assert set(by_config) == {"single", "mwms", "dwbp"}
@@ -217,4 +232,4 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
         assert r["samples_per_s"] > 0 and r["steps"] == 1
     assert by_config["dwbp"]["ranks"] == 2 and len(by_config["dwbp"]["hosts"]) == 2
     assert "Goals (best tf_poseidon configuration)" in done.stdout
-    assert (tmp_path / "benchmarks.md").exists() and (tmp_path / "benchmarks.png").exists()
+    assert (out / "benchmarks.md").exists() and (out / "benchmarks.png").exists()
