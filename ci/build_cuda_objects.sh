@@ -2,7 +2,8 @@
 # Compiles the CUDA side of the kernels to objects; needs nvcc, no GPU. Each kernels/*.cu goes
 # through nvcc with TensorFlow's compile flags and -std=c++17; the GPU registration
 # (kernels/poseidon_kernels_gpu.cc, empty unless GOOGLE_CUDA) through the host compiler with
-# GOOGLE_CUDA=1, as in a build against a CUDA TensorFlow. Exits non-zero on the first failure.
+# GOOGLE_CUDA=1, as in a build against a CUDA TensorFlow. The compilers run side by side;
+# exits non-zero if any of them fails (after all have ended).
 #
 #   ci/build_cuda_objects.sh [OUT_DIR]      # default build/cuda_objects
 # Environment: PYTHON (a Python with TensorFlow; default .venv/bin/python, else python3),
@@ -26,14 +27,22 @@ TF_CFLAGS=$("$PYTHON" -c \
     'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
 read -r -a TF_CFLAGS <<< "$TF_CFLAGS"
 "$NVCC" --version | tail -1
+pids=()
 for source in kernels/*.cu; do
     echo "nvcc: $source"
     "$NVCC" -std=c++17 -O3 -ftz=true -fmad=false -Xcompiler -fPIC "${TF_CFLAGS[@]}" -Ikernels \
-        -c "$source" -o "$OUT/$(basename "$source").o"
+        -c "$source" -o "$OUT/$(basename "$source").o" &
+    pids+=($!)
 done
 echo "${CXX:-g++} -DGOOGLE_CUDA=1: kernels/poseidon_kernels_gpu.cc"
 "${CXX:-g++}" -std=c++17 -O2 -fPIC -Wno-deprecated-declarations -Wno-interference-size \
     "${TF_CFLAGS[@]}" -DGOOGLE_CUDA=1 -I"$CUDA_HOME/include" -Ikernels \
     -c kernels/poseidon_kernels_gpu.cc \
-    -o "$OUT/poseidon_kernels_gpu.cc.o"
+    -o "$OUT/poseidon_kernels_gpu.cc.o" &
+pids+=($!)
+failed=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || failed=1
+done
+[ "$failed" = 0 ] || { echo "failed: see the compiler messages above" >&2; exit 1; }
 echo "ok: objects in $OUT"
