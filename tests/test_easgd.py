@@ -20,6 +20,7 @@ import pytest
 
 from multirank import check, run_job
 
+import tf_poseidon as tp
 from tf_poseidon import world
 from tf_poseidon.comm.engine import CollectiveTimeoutError
 from tf_poseidon.config import StrategyConfig
@@ -42,6 +43,16 @@ def test_synchronous_alpha_times_ranks_must_stay_below_one(monkeypatch):
     StrategyConfig(mode="easgd", alpha=0.3)
     StrategyConfig(mode="easgd", alpha=0.5, easgd_async=True)  # the async form has no bound
     StrategyConfig(mode="sync", alpha=0.5)  # alpha matters only with mode="easgd"
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_the_default_alpha_is_accepted_at_every_world_size(monkeypatch, ranks):
+    """Defaults that are refused are defects: alpha left out is 0.9/P, so alpha·P < 1."""
+    monkeypatch.setattr(world, "size", lambda: ranks)
+    for algorithm in (StrategyConfig(mode="easgd", tau=4).algorithm,
+                      StrategyConfig(tp.algorithms.EASGD(tau=4)).algorithm):
+        assert algorithm.alpha is None and algorithm.tau == 4
+        assert algorithm.alpha_for(ranks) * ranks == pytest.approx(0.9)
 
 
 @pytest.mark.parametrize("kwargs", [dict(tau=0), dict(tau=2.5), dict(alpha=0.0),

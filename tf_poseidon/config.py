@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tf_poseidon.algorithms import Algorithm, Sync, from_mode
+from tf_poseidon.algorithms import Algorithm, from_mode
 from tf_poseidon.comm import codecs
 from tf_poseidon.comm.codecs import Codec
 from tf_poseidon.lowrank import PowerSGD
@@ -117,10 +117,11 @@ def _lowrank(value: PowerSGD | dict | None, algorithm: Algorithm) -> PowerSGD | 
         raise ValueError(f"PoseidonStrategy: lowrank={value!r} is not valid; pass None (the "
                          "default) or tp.PowerSGD(rank=..., start_step=..., "
                          "min_compression=...).")
-    if value is not None and not isinstance(algorithm, Sync):
+    if value is not None and not algorithm.plans:
         raise ValueError(f"PoseidonStrategy: lowrank={value!r} compresses the gradients that "
                          f"mode='sync' sums each step; {algorithm!r} does not sum gradients "
-                         "that way. Use mode='sync' or leave lowrank=None.")
+                         "that way (it makes no per-layer plan). Use mode='sync' or leave "
+                         "lowrank=None.")
     return value
 
 

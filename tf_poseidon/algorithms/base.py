@@ -2,7 +2,7 @@
 
 Bagua's split. The user constructs an Algorithm with its own knobs
 (``tp.algorithms.SSP(staleness=2)``); it validates them, declares what it is (``lockstep``,
-``asynchronous``), and ``reify(context)`` makes the runtime object once per strategy, when the
+``asynchronous``, ``plans``), and ``reify(context)`` makes the runtime object once per strategy, when the
 first replica function runs with more than one rank. The strategy then calls the
 AlgorithmImpl from the Keras optimizer integration (keras_integration.py), in a replica
 context, while the train step is traced:
@@ -63,12 +63,17 @@ class Algorithm:
     whose ranks run ahead of each other must not add a per-step collective, so its progress bar
     shows rank 0's local metrics during an epoch (epoch logs and ``History`` stay global).
     ``asynchronous``: whether no rank ever waits for another during training (then even the
-    loss-scale finite check is decided locally).
+    loss-scale finite check is decided locally). ``plans``: whether its implementation sums
+    gradients through the per-layer protocol plan (sacp/: all-reduce, SFB, sparse rows,
+    low-rank per gradient), so that ``lowrank=`` applies to it and ``AlgorithmImpl.plan``
+    returns that plan once a step is traced; an algorithm that does not plan moves what it
+    moves itself, and ``strategy.plan()`` says so.
     """
 
     name: ClassVar[str] = ""
     lockstep: bool = True
     asynchronous: bool = False
+    plans: bool = False
 
     def validate(self, num_replicas: int) -> None:
         """Raises ValueError if the knobs cannot work on ``num_replicas`` ranks (called when
@@ -125,7 +130,8 @@ class AlgorithmImpl:
         return contextlib.nullcontext()
 
     def plan(self):
-        """The per-layer plan of the last traced train step (sfb.Plan), None if none."""
+        """The per-layer plan of the last traced train step (sacp.plan.Plan); None before one
+        is traced, and always for an algorithm that does not declare ``plans``."""
         return None
 
     def stats(self) -> dict:

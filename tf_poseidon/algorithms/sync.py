@@ -42,6 +42,7 @@ class Sync(Algorithm):
     """Every rank applies the sum of all ranks' gradients each step (BSP); no knobs."""
 
     name = "sync"
+    plans = True
 
     def reify(self, context: AlgorithmContext) -> "SyncImpl":
         return SyncImpl(context)

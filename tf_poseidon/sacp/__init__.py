@@ -22,7 +22,6 @@ from tf_poseidon.sacp.plan import Plan
 def plan_of(strategy) -> Plan:
     """The plan of ``strategy`` (see ``PoseidonStrategy.plan``); prints its table on rank 0."""
     from tf_poseidon import world
-    from tf_poseidon.algorithms import Sync
     extended = strategy.extended
     config = extended.config
     size = strategy.num_replicas_in_sync
@@ -36,7 +35,7 @@ def plan_of(strategy) -> Plan:
         if plan is None:
             if config.sfb == "never" and config.lowrank is None:
                 why = "sfb='never': every gradient is all-reduced."
-            elif impl is not None and not isinstance(config.algorithm, Sync):
+            elif impl is not None and not config.algorithm.plans:
                 why = f"mode={config.mode!r} does not plan protocols per layer."
             else:
                 why = ("No train step with a gradient another protocol could carry has been "
