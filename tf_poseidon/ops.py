@@ -2,9 +2,16 @@
 TensorFlow ops.
 
 * ``pack`` / ``unpack``: gradients <-> one flat wire buffer (float32, float16 or bfloat16),
-  scaled in float32 on the way, in one pass (fp16 transfer with per-bucket scaling).
+  scaled in float32 on the way, in one pass. On the data path they are the device form of an
+  all-reduce bucket (comm/datapath.py chooses it where the gradients live on a GPU;
+  comm/protocol.py: ``DevicePacked`` packs before the copy to the host and unpacks after it).
 * ``sum_chunks``: float32-accumulating sum of P wire chunks, the local step of a reduce-scatter.
-* ``sfb_reconstruct``: ``scale * U^T V`` in float32, sufficient-factor reconstruction.
+  Not on the data path: the engine thread sums numpy wire buffers with the same loop through
+  ``host_kernels.sum_chunks`` (comm/codecs.py). The op and that loop are tested against the
+  same numpy reference (tests/test_ops.py, tests/test_host_kernels.py); the op awaits a
+  device-side reduction.
+* ``sfb_reconstruct``: ``scale * U^T V`` in float32, sufficient-factor reconstruction
+  (sfb/protocol.py; sacp/cost_model.py times it to estimate SFB's cost).
 
 Every function works eagerly (from any thread, on tensors or numpy arrays) and inside
 ``tf.function``; none has a gradient (they act on gradients, and report ``None`` to a tape).

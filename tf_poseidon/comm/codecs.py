@@ -25,9 +25,9 @@ subclass with ``name``, ``wire_dtype``, ``meta_size``, ``encode`` and ``decode``
         def encode(self, block, out): ...   # returns np.array([lo, hi])
         def decode(self, wire, meta, out): ...
 
-The built-in 16-bit codecs are Theano-MPI's "asa16" exchanger with the fixes the design asks for
-(docs/compression.md): sums accumulated in float32, and for fp16 a per-bucket scale that keeps
-every value, and every sum of P of them, inside fp16's range. Open MPI's own float16 reduction
+The built-in 16-bit codecs are Theano-MPI's "asa16" exchanger with two changes, explained in
+docs/compression.md ("16-bit wire formats"): sums accumulated in float32, and for fp16 a
+per-bucket scale that keeps every value, and every sum of P of them, inside fp16's range. Open MPI's own float16 reduction
 is not used: it is slow and accumulates in float16.
 
 All methods run on the engine thread (comm/engine.py) on numpy buffers; ``sum_into`` is a
