@@ -170,6 +170,7 @@ print("OK")
 """
 
 
+@pytest.mark.multirank  # starts two interpreters, each playing rank 1 of a 2-rank job
 def test_after_tensorflow_import_uses_tf_config_and_tolerates_initialised_runtime():
     """In fresh interpreters (this one's TensorFlow runtime may be initialised already)."""
     env = {k: v for k, v in os.environ.items()
