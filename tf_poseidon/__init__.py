@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = ["PoseidonStrategy", "WorldError", "rank", "size", "local_rank", "local_size",
            "is_chief", "algorithms", "codecs", "ops", "callbacks", "export_for_serving",
-           "PowerSGD"]
+           "PowerSGD", "profiling"]
 
 # attribute -> (module it comes from, name in it; None: the attribute is the module itself)
 _LAZY = {"PoseidonStrategy": ("tf_poseidon.strategy", "PoseidonStrategy"),
@@ -36,7 +36,8 @@ _LAZY = {"PoseidonStrategy": ("tf_poseidon.strategy", "PoseidonStrategy"),
          "ops": ("tf_poseidon.ops", None),
          "callbacks": ("tf_poseidon.callbacks", None),
          "export_for_serving": ("tf_poseidon.export", "export_for_serving"),
-         "PowerSGD": ("tf_poseidon.lowrank", "PowerSGD")}
+         "PowerSGD": ("tf_poseidon.lowrank", "PowerSGD"),
+         "profiling": ("tf_poseidon.profiling", None)}
 
 
 def __getattr__(name):
