@@ -15,8 +15,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
-from tf_poseidon.comm import graph_ops  # noqa: E402
-from tf_poseidon.comm.engine import CollectiveGroup  # noqa: E402
 
 
 class MinMaxUInt8(tp.codecs.Codec):
@@ -62,10 +60,7 @@ class LocalSGDImpl(tp.algorithms.AlgorithmImpl):
 
     def after_update(self, variables):
         def average():
-            group = CollectiveGroup("local_sgd", self.plan_buckets(list(variables), False),
-                                    {self.summing.kind: self.summing})
-            sums = graph_ops.run_buckets(self.engine, self.sequencer, group,
-                                         [[v.read_value()] for v in variables])
+            sums = self.sum_over_ranks("local_sgd", [v.read_value() for v in variables])
             for variable, total in zip(variables, sums):
                 variable.assign(total / self.num_replicas)
             return tf.constant(0, tf.int64)

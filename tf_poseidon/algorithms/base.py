@@ -26,7 +26,8 @@ context, while the train step is traced:
    (sync's low-rank residuals): ``tp.callbacks.BackupAndRestore`` saves and restores it.
 
 Graph ops an implementation creates go through ``graph_ops.run_buckets`` (or the Sequencer), so
-they reach the engine in the same order on every rank. A new algorithm is one module: an
+they reach the engine in the same order on every rank; ``AlgorithmImpl.sum_over_ranks`` is the
+common case, a sum over ranks of a list of tensors. A new algorithm is one module: an
 Algorithm subclass registered with ``tf_poseidon.algorithms.register`` and its AlgorithmImpl.
 """
 
@@ -38,9 +39,10 @@ from typing import Any, ClassVar, Sequence
 
 import tensorflow as tf
 
-from tf_poseidon.comm import buckets as buckets_lib
+from tf_poseidon.comm import buckets as buckets_lib, graph_ops
 from tf_poseidon.comm.codecs import Codec
-from tf_poseidon.comm.protocol import AllReduce
+from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.comm.protocol import AllReduce, BucketProtocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,24 @@ class AlgorithmImpl:
         """``entries`` (Items or tensors) in buckets of the strategy's ``bucket_bytes``."""
         return buckets_lib.plan_buckets(entries, self.bucket_bytes, self.first_bucket_bytes,
                                         backprop_order)
+
+    def sum_over_ranks(self, name: str, tensors: Sequence[tf.Tensor],
+                       names: Sequence[str] | None = None,
+                       protocol: BucketProtocol | None = None) -> list[tf.Tensor]:
+        """Every rank, with the same ``name`` and shapes in the same order (a collective):
+        each of ``tensors`` (static shapes) summed over the ranks, a tensor of its shape and
+        dtype. The tensors go in buckets of the strategy's ``bucket_bytes``, in the order
+        given, as one collective group ``name`` carried by ``protocol`` (default
+        ``self.summing``: through the strategy's codec) and run by ``graph_ops.run_buckets``,
+        so the Sequencer orders it with the process's other communication ops. ``names``
+        label the tensors in the statistics (default: their positions). Eagerly it blocks
+        until done; in a graph the collect ops block when run, at most the collective
+        timeout."""
+        protocol = protocol or self.summing
+        names = names if names is not None else [str(i) for i in range(len(tensors))]
+        group = CollectiveGroup(name, self.plan_buckets(items_of(tensors, names, protocol.kind),
+                                                        False), {protocol.kind: protocol})
+        return graph_ops.run_buckets(self.engine, self.sequencer, group, [[t] for t in tensors])
 
     def local_mean(self, grads: Sequence[tf.Tensor],
                    local_batch: tf.Tensor | None = None) -> list[tf.Tensor]:

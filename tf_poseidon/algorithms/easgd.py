@@ -45,11 +45,10 @@ import tensorflow as tf
 from tf_poseidon import timeouts
 from tf_poseidon.algorithms import easgd_center
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
-                                         items_of, variable_names)
+                                         variable_names)
 from tf_poseidon.algorithms.registry import register
-from tf_poseidon.comm import codecs, graph_ops
+from tf_poseidon.comm import codecs
 from tf_poseidon.comm.collectives import as_mpi_buffer
-from tf_poseidon.comm.engine import CollectiveGroup
 from tf_poseidon.comm.protocol import AllReduce
 
 
@@ -325,10 +324,7 @@ class EASGDImpl(AlgorithmImpl):
         mine = [v.read_value() for v in group.variables]
         if self.engine.rank != 0:
             mine = [tf.zeros_like(x) for x in mine]
-        reseed = CollectiveGroup("easgd_reseed",
-                                 self.plan_buckets(items_of(mine, group.names), False),
-                                 {self._exact.kind: self._exact})
-        rank0 = graph_ops.run_buckets(self.engine, self.sequencer, reseed, [[x] for x in mine])
+        rank0 = self.sum_over_ranks("easgd_reseed", mine, group.names, self._exact)
         for center, value in zip(group.centers, rank0):
             center.assign(value)
         group.reseed.assign(False)
@@ -340,11 +336,7 @@ class EASGDImpl(AlgorithmImpl):
                        for v, c in zip(group.variables, group.centers)]
         # May travel in 16 bits: summed in float32, the same result on every rank, so the
         # centers stay equal. The async exchange and the center's restart are never compressed.
-        move = CollectiveGroup("easgd", self.plan_buckets(items_of(differences, group.names),
-                                                          False),
-                               {self.summing.kind: self.summing})
-        total = graph_ops.run_buckets(self.engine, self.sequencer, move,
-                                      [[d] for d in differences])
+        total = self.sum_over_ranks("easgd", differences, group.names)
         for variable, center, d, summed in zip(group.variables, group.centers, differences,
                                                total):
             variable.assign_sub(d)

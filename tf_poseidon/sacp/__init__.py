@@ -11,6 +11,12 @@ and the plan records the choice, agreed by every rank.
 * ``plan.py`` — the per-layer choice (``Planner``), its collective agreement, and
   ``strategy.plan()``'s table.
 
+Why this package and tf_poseidon/sfb/ are two: the plan is not part of SFB. It weighs every
+protocol against every other (SFB is one candidate, as are all-reduce, sparse rows and
+low-rank), so it lives here, once, and each protocol lives in its own place (sfb/,
+comm/sparse.py, lowrank/, comm/protocol.py) with no knowledge of the others. A new protocol
+adds its cost to ``cost_model.py`` and its candidacy to ``Planner.choose``.
+
 docs/sfb.md and docs/compression.md have the details and figures.
 """
 
