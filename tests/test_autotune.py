@@ -1,0 +1,120 @@
+"""comm/autotune.py on loopback ranks: the trial schedule, the per-bucket codec choice and the
+final choice are the same on every rank and pick what the measured times favour."""
+
+import numpy as np
+import pytest
+
+from tf_poseidon.comm import autotune, codecs
+from tf_poseidon.testing.loopback import LoopbackWorld
+
+FLOAT_LAYOUT = (("allreduce", 4096, "float32"), ("allreduce", 4096, "float32"),
+                ("sfb", 512, "float32"))
+
+
+def drive(world, layout, codec, step_time, bucket_time, steps=30, tune_overlap=True):
+    """Runs ``steps`` steps on every rank; a step under setting s takes ``step_time(rank, s)``
+    seconds and bucket i ``bucket_time(i, codec name)``. Returns per rank the settings used
+    and the tuner."""
+    def rank_main(comm):
+        tuner = autotune.GradientTuner(codec, tune_overlap)
+        clock, used = 0.0, []
+        for _ in range(steps):
+            setting = tuner.begin(comm, layout, clock)
+            used.append(setting)
+            for index, (kind, _, _) in enumerate(layout):
+                chosen = tuner.codec_of(setting, index)
+                name = chosen.name if chosen is not None else codec.name
+                tuner.bucket_done(layout, index, bucket_time(index, name))
+            clock += step_time(comm.Get_rank(), setting)
+        return used, tuner
+    return world.run(rank_main)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_overlap_off_chosen_when_it_is_faster_everywhere(size):
+    def step_time(rank, s):
+        return (1.0 if not s.overlap else 1.3) + 0.01 * rank
+
+    results = drive(LoopbackWorld(size), FLOAT_LAYOUT, codecs.get("none"), step_time,
+                    lambda i, name: 0.1)
+    settings = [used for used, _ in results]
+    assert all(s == settings[0] for s in settings), "ranks ran different schedules"
+    used = settings[0]
+    warmup, rounds = autotune.DEFAULT_WARMUP, autotune.DEFAULT_ROUNDS
+    assert used[:warmup] == [autotune.DEFAULT] * warmup
+    trial = used[warmup:warmup + 2 * rounds]
+    assert {s.overlap for s in trial} == {True, False}
+    chosen = used[warmup + 2 * rounds:]
+    assert chosen and all(s.overlap is False for s in chosen)
+    report = results[0][1].report()
+    assert report[0]["state"] == "chosen"
+    assert report[0]["choice"] == "overlap off, codec none"
+    assert [c["steps"] for c in report[0]["candidates"]] == [rounds, rounds]
+
+
+def test_the_slowest_rank_decides():
+    # Rank 1 is much slower with overlap off; rank 0 slightly faster: the job's step is the
+    # slowest rank's, so overlap stays on.
+    def step_time(rank, s):
+        if rank == 1:
+            return 2.0 if not s.overlap else 1.2
+        return 1.0 if not s.overlap else 1.1
+
+    results = drive(LoopbackWorld(2), FLOAT_LAYOUT, codecs.get("none"), step_time,
+                    lambda i, name: 0.1)
+    for used, tuner in results:
+        assert used[-1].overlap is True
+        assert tuner.report()[0]["choice"] == "overlap on, codec none"
+
+
+def test_codec_per_bucket_then_mixed_candidate():
+    # Bucket 0 is faster in fp16, bucket 1 exact; the SFB bucket keeps the configured codec.
+    def bucket_time(index, name):
+        return {(0, "fp16"): 0.1, (0, "none"): 0.3, (1, "fp16"): 0.3, (1, "none"): 0.1}.get(
+            (index, name), 0.2)
+
+    def step_time(rank, s):
+        return 1.0 + sum(bucket_time(i, n) for i, n in enumerate(s.codecs or ("fp16",) * 3))
+
+    results = drive(LoopbackWorld(2), FLOAT_LAYOUT, codecs.get("fp16"), step_time, bucket_time,
+                    steps=40, tune_overlap=False)
+    used, tuner = results[0]
+    assert all(r[0] == used for r in results)
+    assert used[-1].codecs == ("fp16", "none", "fp16")
+    report = tuner.report()[0]
+    assert report["choice"] == "overlap on, codec per bucket (2 fp16, 1 none)"
+    assert len(report["candidates"]) == 3  # all fp16, all exact, mixed
+    steps_in_trials = autotune.DEFAULT_WARMUP + 3 * autotune.DEFAULT_ROUNDS
+    assert all(s == used[-1] for s in used[steps_in_trials:])
+
+
+def test_exact_codec_is_never_replaced_and_16_bit_payloads_keep_theirs():
+    layout = (("allreduce", 2048, "bfloat16"), ("allreduce", 4096, "float32"))
+    results = drive(LoopbackWorld(2), layout, codecs.get("bf16"), lambda r, s: 1.0,
+                    lambda i, name: 0.1, tune_overlap=False)
+    for used, _ in results:
+        for s in used:
+            assert s.codecs is None or s.codecs[0] == "bf16"
+    none_results = drive(LoopbackWorld(2), layout, codecs.get("none"), lambda r, s: 1.0,
+                         lambda i, name: 0.1, tune_overlap=False)
+    for used, _ in none_results:
+        assert all(s.codecs is None or set(s.codecs) == {"none"} for s in used)
+
+
+def test_a_new_layout_gets_trials_of_its_own():
+    world = LoopbackWorld(2)
+
+    def rank_main(comm):
+        tuner = autotune.GradientTuner(codecs.get("none"))
+        first = [tuner.begin(comm, FLOAT_LAYOUT, float(t)) for t in range(20)]
+        other = tuner.begin(comm, FLOAT_LAYOUT[:1], 100.0)
+        return first, other, tuner.report()
+    for first, other, report in world.run(rank_main):
+        assert other == autotune.DEFAULT  # the new layout's first warm-up step
+        assert len(report) == 2 and report[0]["state"] == "chosen"
+        assert report[1]["state"].startswith("measuring")
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        autotune.GradientTuner(codecs.get("none"), rounds=0)
