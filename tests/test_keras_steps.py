@@ -13,7 +13,7 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,cnn-xla"
+CONFIGS = "guide,guide-xla,guide-bn,cnn-xla"
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,31 @@ def test_custom_train_step_metrics_are_global(jobs, config):
         assert max_difference(reference["loss"], 2 * result["loss"]) <= TOLERANCE, rank
         assert max_difference(reference["evaluation"][0], 2 * result["evaluation"][0]) \
             <= TOLERANCE, rank
+        # Fed loss · P weighted by the step's rows, as docs/synchronization.md shows, a loss
+        # metric reports one process's loss.
+        assert max_difference(reference["loss"], result["unscaled_loss"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multirank
+def test_custom_train_step_synchronizes_batchnorm_state(jobs):
+    # A subclass's train_step replaces Keras' own, and with it anything wrapped there: the
+    # moving statistics must still be combined after every step. The BN layer normalizes the
+    # input, so its moving mean is the same exponential average of the global batches' means as
+    # in one process (the ranks' row-weighted average of their local moving means is that
+    # average only if it is taken after every step). Each rank's model, called on the predicted
+    # rows without any communication, gives what rank 0's gives: the same statistics.
+    single, two, _ = jobs
+    reference = load(single, "guide-bn", 0)
+    first = load(two, "guide-bn", 0)
+    assert first["moving_mean"].size
+    for rank in range(2):
+        result = load(two, "guide-bn", rank)
+        difference = max_difference(reference["moving_mean"], result["moving_mean"])
+        assert difference <= TOLERANCE, (rank, difference)
+        assert np.isfinite(result["non_trainable"]).all(), rank
+    second = load(two, "guide-bn", 1)
+    for key in ("weights", "non_trainable", "own_predictions"):
+        assert max_difference(first[key], second[key]) == 0.0, key
 
 
 @pytest.mark.multirank

@@ -27,9 +27,7 @@ original unchanged:
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
   only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
   keep the TensorFlow convention instead (``tf.nn.compute_average_loss(per_example_loss,
-  global_batch_size=B)`` is exact as it is) and get plain sums. At the end of the step the
-  model's non-trainable state (BatchNormalization's moving statistics) is made equal on every
-  rank (``strategy.extended.synchronize_state``; batchnorm.py);
+  global_batch_size=B)`` is exact as it is) and get plain sums;
 * ``CompileLoss.call``: the per-output loss metrics of a model with several outputs, which Keras
   records with weight 1 per batch of unknown size, are weighted by each rank's share of the
   global batch (one tiny all-reduce of the row counts per step), so evaluate and History show
@@ -46,6 +44,14 @@ original unchanged:
 * ``TensorFlowTrainer._make_function`` (the train and test functions, for Keras' steps and
   for a model's own ``train_step``/``test_step``) runs the step so that:
 
+  - at the end of every training step, whichever ``train_step`` it runs (Keras' own or a
+    subclass's, which never calls the wrapped one), the model's non-trainable state
+    (BatchNormalization's moving statistics) is made equal on every rank, each rank weighted by
+    the rows of its step (``strategy.extended.synchronize_state``; batchnorm.py). This is the
+    depth that knows the model, the step's rows and that the step is a training step; the
+    optimizer does not know the model, runs once per optimizer (a GAN's step has two) and, with
+    ``gradient_accumulation_steps``, updates only every k-th step, while the state changes in
+    every step's forward pass;
   - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
     custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
     from the sum over ranks of its state too, as ``get_metrics_result`` does (the two never
@@ -178,11 +184,9 @@ def _train_step(original):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None:
             return original(self, data)
-        local_batch = data_lib.batch_size_of(data)
-        with tf.distribute.get_replica_context().weighting_by_batch_share(local_batch):
-            logs = original(self, data)
-            extended.synchronize_state(self, local_batch)
-        return logs
+        with tf.distribute.get_replica_context().weighting_by_batch_share(
+                data_lib.batch_size_of(data)):
+            return original(self, data)
     return wrapper
 
 
@@ -362,12 +366,16 @@ def _make_function(original):
         if extended is None:
             return original(self, step_function)
         compile_step = bool(self.jit_compile) and not self.run_eagerly
+        training = step_function == self.train_step  # make_train_function's step
 
         def step(data):
             with _global_metric_results(self, extended), \
                     (tf.xla.experimental.jit_scope() if compile_step
                      else contextlib.nullcontext()):
-                return step_function(data)
+                logs = step_function(data)
+                if training:
+                    extended.synchronize_state(self, data_lib.batch_size_of(data))
+                return logs
 
         if not compile_step:
             return original(self, step)

@@ -8,10 +8,15 @@ evaluated and, for the Sequential ones, predicted):
   guide        a subclassed model whose train_step/test_step update the compiled metrics
                and return {m.name: m.result()}
   guide-xla    the same with jit_compile=True
+  guide-bn     the same model with a BatchNormalization layer on its input (default mode: each
+               rank normalizes with its own rows, the moving statistics are combined)
   cnn-xla      a Sequential CNN with Adam and jit_compile=True (Keras' own steps)
   cnn-plain    the same without XLA (only in a world of one: how far XLA alone moves the
                results, the scale the XLA comparison is measured against)
-Writes OUT/<config>_rank<r>.npz on every rank. With KERAS_STEPS_XLA_DUMP=DIR, XLA writes the
+Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
+training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
+the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer) and
+``own_predictions``: this rank's model called on the predicted rows, no communication. With KERAS_STEPS_XLA_DUMP=DIR, XLA writes the
 modules it compiles to DIR/rank<r>.
 """
 
@@ -43,16 +48,24 @@ def data():
 
 class GuideModel(keras.Model):
     """The Keras guide's custom step ("Customizing what happens in fit()", TensorFlow): the
-    compiled loss and metrics, updated and read by the model's own train_step/test_step."""
+    compiled loss and metrics, updated and read by the model's own train_step/test_step, plus
+    ``unscaled_loss``, fed the loss as docs/synchronization.md shows for one process's value
+    (as Keras' default step feeds its tracker). With ``batchnorm``, the flattened input is normalized by a BatchNormalization layer
+    (``self.norm``): its moving mean depends on the data only, not on the weights."""
 
-    def __init__(self):
+    def __init__(self, batchnorm: bool = False):
         super().__init__()
         self.flatten = keras.layers.Flatten()
+        self.norm = keras.layers.BatchNormalization(momentum=0.9) if batchnorm else None
         self.hidden = keras.layers.Dense(32, activation="relu")
         self.out = keras.layers.Dense(3)
+        self.unscaled_loss = keras.metrics.Mean(name="unscaled_loss")
 
-    def call(self, x):
-        return self.out(self.hidden(self.flatten(x)))
+    def call(self, x, training=False):
+        x = self.flatten(x)
+        if self.norm is not None:
+            x = self.norm(x, training=training)
+        return self.out(self.hidden(x))
 
     def train_step(self, data):
         x, y = data
@@ -61,20 +74,21 @@ class GuideModel(keras.Model):
             loss = self.compute_loss(y=y, y_pred=y_pred)
         gradients = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply(gradients, self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return self.update_metrics(x, y, y_pred, loss)
 
     def test_step(self, data):
         x, y = data
         y_pred = self(x, training=False)
-        loss = self.compute_loss(y=y, y_pred=y_pred)
+        return self.update_metrics(x, y, y_pred, self.compute_loss(y=y, y_pred=y_pred))
+
+    def update_metrics(self, x, y, y_pred, loss) -> dict:
+        """The guide's metric updates and results."""
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
+            elif metric is self.unscaled_loss:
+                metric.update_state(loss * self.distribute_strategy.num_replicas_in_sync,
+                                    sample_weight=tf.shape(x)[0])
             else:
                 metric.update_state(y, y_pred)
         return {m.name: m.result() for m in self.metrics}
@@ -102,7 +116,8 @@ def run(strategy, config: str, out: str) -> None:
     x, y = data()
     keras.utils.set_random_seed(21)
     with strategy.scope():
-        model = GuideModel() if config.startswith("guide") else cnn()
+        model = (GuideModel(batchnorm=config == "guide-bn") if config.startswith("guide")
+                 else cnn())
         optimizer = (keras.optimizers.SGD(0.1, momentum=0.9) if config.startswith("guide")
                      else keras.optimizers.Adam(0.01))
         model.compile(optimizer=optimizer,
@@ -113,10 +128,16 @@ def run(strategy, config: str, out: str) -> None:
                         callbacks=[batches])
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     predictions = model.predict(x[:97], batch_size=GLOBAL_BATCH, verbose=0)
+    norm = getattr(model, "norm", None)
     np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
              loss=history.history["loss"], accuracy=history.history["accuracy"],
+             unscaled_loss=history.history.get("unscaled_loss", []),
              evaluation=[evaluation["loss"], evaluation["accuracy"]], predictions=predictions,
-             batch_accuracy=batches.accuracy)
+             batch_accuracy=batches.accuracy,
+             non_trainable=np.concatenate([v.numpy().ravel()
+                                           for v in model.non_trainable_weights] or [[]]),
+             moving_mean=norm.moving_mean.numpy() if norm is not None else [],
+             own_predictions=model(x[:97], training=False))
 
 
 def main(out: str, configs: str) -> None:
