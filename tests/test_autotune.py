@@ -1,10 +1,16 @@
 """comm/autotune.py on loopback ranks: the trial schedule, the per-bucket codec choice and the
-final choice are the same on every rank and pick what the measured times favour."""
+final choice are the same on every rank and pick what the measured times favour; real engines
+run each step as its setting says."""
+
+import time
 
 import numpy as np
 import pytest
 
 from tf_poseidon.comm import autotune, codecs
+from tf_poseidon.comm.buckets import Bucket, Item
+from tf_poseidon.comm.engine import CollectiveGroup, CommEngine
+from tf_poseidon.comm.protocol import AllReduce
 from tf_poseidon.testing.loopback import LoopbackWorld
 
 FLOAT_LAYOUT = (("allreduce", 4096, "float32"), ("allreduce", 4096, "float32"),
@@ -118,3 +124,81 @@ def test_a_new_layout_gets_trials_of_its_own():
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rounds >= 1"):
         autotune.GradientTuner(codecs.get("none"), rounds=0)
+
+
+class RecordingTuner(autotune.GradientTuner):
+    """Remembers the setting of every step it began."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = []
+
+    def begin(self, comm, layout, started_at):
+        setting = super().begin(comm, layout, started_at)
+        self.settings.append(setting)
+        return setting
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_engine_runs_each_step_as_its_setting_says(size):
+    """Real engines on loopback ranks: buckets handed over late and out of order; a step whose
+    setting has overlap off is posted only once all its buckets are there; a bucket given the
+    exact codec sums exactly, one given fp16 within fp16's rounding; every rank gets the same
+    sums and the same settings."""
+    sizes, steps = (1000, 3000, 500), 24
+    items = [Item(f"g/{i}", (n,), np.dtype(np.float32), n) for i, n in enumerate(sizes)]
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal((steps, size, sum(sizes))).astype(np.float32)
+
+    def part(step, rank, index):
+        start = sum(sizes[:index])
+        return values[step, rank, start:start + sizes[index]].copy()
+
+    def rank_main(comm):
+        fp16 = codecs.HalfPrecision("fp16", np.float16, scaled=True)  # wire buffers per rank
+        tuner = RecordingTuner(fp16)
+        engine = CommEngine(comm)
+        group = CollectiveGroup("gradients", [Bucket(i, "allreduce", (i,), (item,),
+                                                     item.payload_dtype)
+                                              for i, item in enumerate(items)],
+                                {"allreduce": AllReduce(fp16)}, tuner)
+        jitter = np.random.default_rng(comm.rank)
+        results = []
+        for step in range(steps):
+            for index in range(len(sizes)):
+                engine.submit(group, index, part(step, comm.rank, index))
+                time.sleep(0.002 * jitter.random())
+            results.append([group.wait_result(i, 20) for i in range(len(sizes))])
+        return results, tuner.settings, engine.stats.records()
+
+    outcomes = LoopbackWorld(size, timeout_s=20).run(rank_main)
+    settings = outcomes[0][1]
+    assert len(settings) == steps and all(o[1] == settings for o in outcomes)
+    assert {s.overlap for s in settings} == {True, False}
+    assert {name for s in settings if s.codecs for name in s.codecs} == {"fp16", "none"}
+    for results, _, records in outcomes:
+        by_step = {}
+        for r in records:
+            by_step.setdefault(r.instance, []).append(r)
+        for step, (setting, sums) in enumerate(zip(settings, results)):
+            if not setting.overlap:
+                step_records = by_step[step]
+                assert min(r.start for r in step_records) >= max(r.queued_at
+                                                                 for r in step_records)
+            for index, summed in enumerate(sums):
+                exact = sum(part(step, p, index).astype(np.float64) for p in range(size))
+                name = setting.codecs[index] if setting.codecs else "fp16"
+                tolerance = 1e-5 if name == "none" else 2e-3 * np.max(np.abs(exact))
+                np.testing.assert_allclose(summed, exact, rtol=0, atol=tolerance)
+        for other, _, _ in outcomes:
+            for mine, theirs in zip(results, other):
+                for a, b in zip(mine, theirs):
+                    np.testing.assert_array_equal(a, b)
+
+
+def test_strategy_option_is_checked():
+    from tf_poseidon.config import StrategyConfig
+    assert StrategyConfig(autotune=True).autotune is True
+    assert StrategyConfig().autotune is False
+    with pytest.raises(ValueError, match="autotune='yes' is not valid"):
+        StrategyConfig(autotune="yes")

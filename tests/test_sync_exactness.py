@@ -57,6 +57,28 @@ def test_fit_matches_one_process(tmp_path_factory, fit_single, num_ranks):
                          "predictions"])
 
 
+def test_fit_with_autotune_matches_one_process(tmp_path_factory, fit_single):
+    # The trials (overlap on and off) take the first 8 of each model's 34 steps; the sums are
+    # the same whichever setting runs a step.
+    out = tmp_path_factory.mktemp("autotune")
+    result, _ = run_job(2, "train_configs.py", str(out), "--configs", FIT_CONFIGS, "--rows", "965",
+                        "--strategy", json.dumps({"autotune": True}))
+    stats = [json.loads(line.split(" mode stats ", 1)[1])
+             for line in check(result).splitlines() if " mode stats " in line]
+    assert len(stats) == 2
+    for mode in stats:
+        assert len(mode["autotune"]) == 2  # one bucket layout per model (MLP, CNN)
+        for trials in mode["autotune"]:
+            assert trials["state"] == "chosen", trials
+            assert {c["setting"] for c in trials["candidates"]} == {
+                "overlap on, codec none", "overlap off, codec none"}
+    for config in FIT_CONFIGS.split(","):
+        for rank in range(2):
+            assert_same(load(fit_single, config, 0), load(out, config, rank),
+                        ["weights", "optimizer", "loss", "accuracy", "evaluation",
+                         "predictions"])
+
+
 def test_fit_with_ranks_left_without_rows(tmp_path_factory):
     # 961 = 16·60 + 1: at P=3 the last global batch gives ranks 0 and 1 no rows at all.
     single = train(tmp_path_factory, 0, "--configs", "mlp-sgd", "--rows", "961")

@@ -36,13 +36,14 @@ class StrategyConfig:
     bandwidth_gbps: float | None
     sync_batchnorm: bool
     lowrank: PowerSGD | None
+    autotune: bool
 
     def __init__(self, algorithm: Algorithm | str | None = None, *, mode: str | None = None,
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
                  sync_batchnorm: bool = False, lowrank: PowerSGD | dict | None = None,
-                 **algorithm_options):
+                 autotune: bool = False, **algorithm_options):
         from tf_poseidon import world
         if isinstance(algorithm, str):
             algorithm, mode = None, _one_mode(algorithm, mode)
@@ -86,11 +87,14 @@ class StrategyConfig:
                              f"ranks step together (mode='sync'); {algorithm!r} lets ranks run "
                              "ahead of each other, and global batch statistics would make "
                              "every step wait for the slowest rank.")
+        if not isinstance(autotune, bool):
+            raise ValueError(f"PoseidonStrategy: autotune={autotune!r} is not valid; allowed "
+                             "values are True and False.")
         lowrank = _lowrank(lowrank, algorithm)
         values = dict(algorithm=algorithm, codec=codecs.get(compression), sfb=sfb,
                       bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
                       bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm,
-                      lowrank=lowrank)
+                      lowrank=lowrank, autotune=autotune)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 

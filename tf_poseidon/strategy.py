@@ -93,6 +93,11 @@ class PoseidonStrategy(distribute_lib.Strategy):
         Approximate: P ranks no longer train exactly like one process. The residuals and Q
         are training state (saved and restored by ``tp.callbacks.BackupAndRestore``). None
         (default): off. Sync only (docs/compression.md).
+      autotune: during the first steps of training, try overlap on and off and, with a lossy
+        ``compression``, that codec or the exact sum per bucket, and keep the setting with
+        the shortest measured step (agreed by every rank; about 20 steps of trials). What was
+        tried and chosen: ``stats()["mode"]["autotune"]``. Sync only; False (default): the
+        setting as given (tf_poseidon/comm/autotune.py, docs/benchmarks.md).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -103,11 +108,12 @@ class PoseidonStrategy(distribute_lib.Strategy):
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 sync_batchnorm: bool = False, lowrank=None, **algorithm_options):
+                 sync_batchnorm: bool = False, lowrank=None, autotune: bool = False,
+                 **algorithm_options):
         config = StrategyConfig(algorithm, mode=mode, compression=compression, sfb=sfb,
                                 bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,
                                 bandwidth_gbps=bandwidth_gbps, sync_batchnorm=sync_batchnorm,
-                                lowrank=lowrank, **algorithm_options)
+                                lowrank=lowrank, autotune=autotune, **algorithm_options)
         if timeline:
             os.environ["TF_POSEIDON_TIMELINE"] = timeline
         super().__init__(PoseidonExtended(self, config))

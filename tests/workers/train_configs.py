@@ -8,6 +8,7 @@ rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the p
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -102,9 +103,10 @@ def main():
     parser.add_argument("--configs", default="mlp-sgd,mlp-adam,cnn-sgd,cnn-adam")
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--strategy", default="{}", help="PoseidonStrategy options, JSON")
     args = parser.parse_args()
     keras.utils.set_random_seed(100 + tp.rank())
-    strategy = tp.PoseidonStrategy()
+    strategy = tp.PoseidonStrategy(**json.loads(args.strategy))
     for config in args.configs.split(","):
         model, _, loop = config.partition("@")
         kind, opt = model.split("-")
@@ -114,6 +116,8 @@ def main():
                             from_function={"loop": False, "function": True}[loop])
         else:
             run_fit(strategy, kind, opt, args.rows, args.epochs, out)
+    if strategy.num_replicas_in_sync > 1:
+        print(f"rank {tp.rank()} mode stats {json.dumps(strategy.stats()['mode'])}", flush=True)
     print(f"rank {tp.rank()} done", flush=True)
 
 

@@ -30,7 +30,7 @@ from tf_poseidon.algorithms import batch_share
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
                                          variable_names)
 from tf_poseidon.algorithms.registry import register
-from tf_poseidon.comm import buckets as buckets_lib, graph_ops, sparse
+from tf_poseidon.comm import autotune, buckets as buckets_lib, graph_ops, sparse
 from tf_poseidon.comm.engine import CollectiveGroup
 from tf_poseidon.lowrank import protocol as lowrank_protocol
 from tf_poseidon.sacp import plan as plan_lib
@@ -59,6 +59,8 @@ class SyncImpl(AlgorithmImpl):
         self._protocols = {self.summing.kind: self.summing,
                            sfb_protocol.KIND: sfb_protocol.SfbProtocol(self.codec),
                            sparse.KIND: sparse.SparseProtocol(self.codec)}
+        self._tuner = (autotune.GradientTuner(self.codec, tune_overlap=self._overlap)
+                       if context.config.autotune else None)
         self._lowrank = None
         if context.config.lowrank is not None:
             self._lowrank = lowrank_protocol.LowRankProtocol(context.config.lowrank, self.codec)
@@ -85,13 +87,18 @@ class SyncImpl(AlgorithmImpl):
         return self._planner.plan
 
     def stats(self) -> dict:
-        """With low-rank compression: ``lowrank_compute_s``, this rank's seconds of low-rank
-        compute (matrix products, orthonormalization, residual passes; not the rounds) in each
-        of the recent steps, oldest first."""
-        if self._lowrank is None:
-            return {}
-        seconds = self._lowrank.compute_seconds()
-        return {"lowrank_compute_s": [seconds[key] for key in sorted(seconds)]}
+        """With ``autotune``: ``autotune``, per bucket layout tuned, the trials' state, the
+        candidates with their median step time and the choice (comm/autotune.py). With
+        low-rank compression: ``lowrank_compute_s``, this rank's seconds of low-rank compute
+        (matrix products, orthonormalization, residual passes; not the rounds) in each of the
+        recent steps, oldest first."""
+        report = {}
+        if self._tuner is not None:
+            report["autotune"] = self._tuner.report()
+        if self._lowrank is not None:
+            seconds = self._lowrank.compute_seconds()
+            report["lowrank_compute_s"] = [seconds[key] for key in sorted(seconds)]
+        return report
 
     def training_state(self) -> dict[str, np.ndarray]:
         """Every rank, blocking and collective: the low-rank state (``lowrank/<variable>/q``,
@@ -169,7 +176,8 @@ class SyncImpl(AlgorithmImpl):
             items.append(buckets_lib.Item.of(weight.count, "batch_share"))
             inputs.append([weight.count])
         wait_for = [t for member in inputs for t in member] if not self._overlap else []
-        group = CollectiveGroup("gradients", self.plan_buckets(items), self._protocols)
+        group = CollectiveGroup("gradients", self.plan_buckets(items), self._protocols,
+                                self._tuner)
         results = graph_ops.run_buckets(self.engine, self.sequencer, group, inputs, wait_for)
         factor = weight.unweighting(results.pop()) if weight is not None else None
         reduced = []

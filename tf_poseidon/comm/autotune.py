@@ -212,8 +212,10 @@ class GradientTuner:
             trials.bucket_done(index, seconds)
 
     def codec_of(self, setting: Setting, index: int) -> codecs.Codec | None:
-        """The codec bucket ``index`` runs with under ``setting`` (None: its protocol's)."""
-        if setting.codecs is None:
+        """The codec bucket ``index`` runs with under ``setting``: None for its protocol's
+        own (the strategy's codec, whose wire buffers are the protocol's), else the exact
+        sum."""
+        if setting.codecs is None or setting.codecs[index] == self.codec.name:
             return None
         return codecs.get(setting.codecs[index])
 

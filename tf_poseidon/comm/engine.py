@@ -43,7 +43,7 @@ import numpy as np
 
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm import timeline as timeline_lib
-from tf_poseidon.comm import agreement
+from tf_poseidon.comm import agreement, autotune
 from tf_poseidon.comm.buckets import Bucket
 from tf_poseidon.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
@@ -70,7 +70,8 @@ class CollectiveGroup:
     _ids = itertools.count()
 
     def __init__(self, name: str, buckets: Sequence[Bucket],
-                 protocols: Mapping[str, BucketProtocol]):
+                 protocols: Mapping[str, BucketProtocol],
+                 tuner: "autotune.GradientTuner | None" = None):
         missing = {b.kind for b in buckets} - set(protocols)
         if missing:
             raise ValueError(f"collective {name!r}: no protocol for bucket kinds {missing}")
@@ -78,6 +79,7 @@ class CollectiveGroup:
         self.name = name
         self.buckets = tuple(buckets)
         self.protocols = dict(protocols)
+        self.tuner = tuner  # chooses each instance's engine-side setting (comm/autotune.py)
         self._layout = tuple((b.kind, b.payload_bytes, b.payload_dtype.name) for b in buckets)
         self.num_buckets = len(self.buckets)
         self._results = [queue.SimpleQueue() for _ in range(self.num_buckets)]
@@ -205,26 +207,34 @@ class CommEngine:
         # Group instances in the order their first payload arrived: (group, instance number).
         order: collections.deque[tuple[CollectiveGroup, int]] = collections.deque()
         next_bucket = 0
+        setting = None  # the head instance's, once it has started
         while True:
             # Post every bucket whose turn has come.
             while order:
                 group, instance = order[0]
+                if setting is None:
+                    first = stash.get((group.id, instance, 0))
+                    if first is None:
+                        break
+                    self._agree(group.signature(instance), collective_timeout_s())
+                    setting = self._begin(group, first.submitted_at)
+                if not setting.overlap and any((group.id, instance, k) not in stash
+                                               for k in range(next_bucket, group.num_buckets)):
+                    break  # overlap off: the whole step first
                 job = stash.pop((group.id, instance, next_bucket), None)
                 if job is None:
                     break
-                if next_bucket == 0:
-                    self._agree(group.signature(instance), collective_timeout_s())
                 if self._failure is not None:
                     group._fail(self._failure)
                     order.popleft()
                     stash = {k: v for k, v in stash.items() if k[:2] != (group.id, instance)}
-                    next_bucket = 0
+                    next_bucket, setting = 0, None
                     continue
-                self._run_bucket(job)
+                self._run_bucket(job, setting)
                 next_bucket += 1
                 if next_bucket == group.num_buckets:
                     order.popleft()
-                    next_bucket = 0
+                    next_bucket, setting = 0, None
             job = self._jobs.get()
             if isinstance(job, _CallJob):
                 self._run_call(job)
@@ -238,18 +248,32 @@ class CommEngine:
             job.instance = instance
             stash[(group.id, instance, job.index)] = job
 
-    def _run_bucket(self, job: _BucketJob) -> None:
+    def _begin(self, group: CollectiveGroup, started_at: float) -> "autotune.Setting":
+        """The setting of a group instance about to be posted: its tuner's (which may agree
+        with the other ranks, at the same instance on every rank), else the default."""
+        if group.tuner is None or self._failure is not None:
+            return autotune.DEFAULT
+        try:
+            return group.tuner.begin(self.comm, group._layout, started_at)
+        except BaseException as e:  # an MPI failure: every later collective fails with it
+            self._failure = e
+            return autotune.DEFAULT
+
+    def _run_bucket(self, job: _BucketJob, setting: "autotune.Setting") -> None:
         group = job.group
         bucket = group.buckets[job.index]
+        codec = group.tuner.codec_of(setting, job.index) if group.tuner is not None else None
         start = time.perf_counter()
         try:
-            result = group.protocols[bucket.kind].run(
-                self.comm, BucketCall(group.name, group.id, job.instance, bucket, job.payload))
+            result = group.protocols[bucket.kind].run(self.comm, BucketCall(
+                group.name, group.id, job.instance, bucket, job.payload, codec))
         except BaseException as e:  # delivered to the waiting graph op, which raises it
             result = BucketResult(RuntimeError(
                 f"tf_poseidon: collective {group.name!r} bucket {job.index} failed on rank "
                 f"{self.rank}: {e!r}"), 0.0, 0.0)
         end = time.perf_counter()
+        if group.tuner is not None:
+            group.tuner.bucket_done(group._layout, job.index, end - start)
         item_bytes = result.item_bytes or tuple(
             n * bucket.payload_dtype.itemsize for n in bucket.sizes)
         self.stats.record(stats_lib.BucketRecord(

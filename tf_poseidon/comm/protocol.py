@@ -52,6 +52,7 @@ class BucketCall:
     instance: int  # which execution of the group: 0, 1, ... (the step, for gradients)
     bucket: Bucket
     payload: np.ndarray
+    codec: Codec | None = None  # the autotuner's codec for this bucket (comm/autotune.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +143,12 @@ class AllReduce(BucketProtocol):
 
     def run(self, comm, call: BucketCall) -> BucketResult:
         """Engine thread: sums ``call.payload`` in place — the members' values in the bucket's
-        payload dtype (host form) or in the codec's ``pack_dtype`` (device form) — and hands
-        back the sums in that dtype."""
-        payload = call.payload
-        self.codec.sum_into(comm, payload, payload)
-        sent = self.codec.wire_bytes(payload.size, comm.Get_size(), payload.dtype)
+        payload dtype (host form) or in the codec's ``pack_dtype`` (device form) — through
+        ``call.codec`` if the autotuner chose one, else the protocol's, and hands back the sums
+        in that dtype."""
+        payload, codec = call.payload, call.codec or self.codec
+        codec.sum_into(comm, payload, payload)
+        sent = codec.wire_bytes(payload.size, comm.Get_size(), payload.dtype)
         return BucketResult(payload, *sent,
                             tuple(n * payload.itemsize for n in call.bucket.sizes))
 
