@@ -152,3 +152,119 @@ def test_driver_count_without_a_driver_is_zero():
     if Path("/proc/driver/nvidia").exists():
         pytest.skip("an NVIDIA driver is present: its count is whatever the machine has")
     assert placement.driver_gpu_count() == 0
+
+
+# -- after TensorFlow's import: tf.config, with faked device lists -----------------------------
+
+class FakeTFConfig:
+    """tf.config's device calls on a host with ``count`` GPUs, recording what placement asks;
+    ``initialised``: TensorFlow's runtime already runs (the setters raise, as TF's do)."""
+
+    def __init__(self, tf, count: int, initialised: bool = False):
+        self.devices = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+                        for i in range(count)]
+        self.initialised = initialised
+        self.visible, self.growth = [], []
+
+    def list_physical_devices(self, device_type=None):
+        return list(self.devices) if device_type == "GPU" else []
+
+    def set_visible_devices(self, devices, device_type=None):
+        if self.initialised:
+            raise RuntimeError("Visible devices cannot be modified after being initialized")
+        self.visible.append((devices, device_type))
+
+    def set_memory_growth(self, device, enable):
+        if self.initialised:
+            raise RuntimeError("Physical devices cannot be modified after being initialized")
+        self.growth.append((device, enable))
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """``fake_gpus(count, initialised=False)``: tf.config in this process sees ``count`` GPUs."""
+    import tensorflow as tf
+
+    def install(count: int, initialised: bool = False) -> FakeTFConfig:
+        fake = FakeTFConfig(tf, count, initialised)
+        monkeypatch.setattr(tf.config, "list_physical_devices", fake.list_physical_devices)
+        monkeypatch.setattr(tf.config, "set_visible_devices", fake.set_visible_devices)
+        monkeypatch.setattr(tf.config.experimental, "set_memory_growth", fake.set_memory_growth)
+        return fake
+    return install
+
+
+def test_after_tensorflow_selects_the_visible_gpu_and_names_its_cuda_entry(fake_gpus):
+    """Keras imported before tf_poseidon, CUDA_VISIBLE_DEVICES=5,7, local rank 1 of 2: TF's
+    GPU 1 is made the only visible one, and the choice names both ordinal 1 and device 7."""
+    fake = fake_gpus(2)
+    world = World(rank=1, size=2, local_rank=1, local_size=2, launcher="openmpi")
+    p = placement._apply_with_tf(world, {"CUDA_VISIBLE_DEVICES": "5,7"})
+    assert fake.visible == [(fake.devices[1], "GPU")] and fake.growth == []
+    assert (p.gpu, p.gpu_ordinal, p.visible_gpus, p.memory_growth) == ("7", 1, 2, False)
+    assert (p.intra_op_threads, p.inter_op_threads) == (None, None)
+    assert p.describe(world) == ("rank 1 (local 1 of 2): GPU ordinal 1 of 2 visible "
+                                 "(CUDA device '7')")
+
+
+def test_after_tensorflow_ranks_sharing_a_gpu_get_memory_growth(fake_gpus):
+    fake = fake_gpus(2)
+    world = World(rank=3, size=4, local_rank=3, local_size=4, launcher="openmpi")
+    p = placement._apply_with_tf(world, {})
+    assert fake.visible == [(fake.devices[1], "GPU")]
+    assert fake.growth == [(fake.devices[1], True)]
+    assert (p.gpu, p.gpu_ordinal, p.memory_growth) == ("1", 1, True)
+    fake = fake_gpus(2)  # the user's TF_FORCE_GPU_ALLOW_GROWTH decides instead
+    p = placement._apply_with_tf(world, {"TF_FORCE_GPU_ALLOW_GROWTH": "false"})
+    assert fake.growth == [] and p.memory_growth
+
+
+def test_after_tensorflow_a_device_list_unlike_the_variable_is_named_by_tensorflow(fake_gpus):
+    """TensorFlow lists 2 GPUs where CUDA_VISIBLE_DEVICES has 3 entries (it left one out):
+    which entry is which cannot be told, so the choice is named by TensorFlow's device."""
+    fake_gpus(2)
+    world = World(rank=1, size=2, local_rank=1, local_size=2, launcher="openmpi")
+    p = placement._apply_with_tf(world, {"CUDA_VISIBLE_DEVICES": "5,7,9"})
+    assert (p.gpu, p.gpu_ordinal) == ("/physical_device:GPU:1", 1)
+
+
+def test_after_tensorflow_runs_the_gpus_stay_and_the_rank_says_why(fake_gpus, caplog):
+    fake_gpus(2, initialised=True)
+    world = World(rank=1, size=2, local_rank=1, local_size=2, launcher="openmpi")
+    with caplog.at_level("WARNING", logger="tf_poseidon"):
+        p = placement._apply_with_tf(world, {})
+    assert (p.gpu, p.gpu_ordinal) == (None, None)
+    assert any("GPU selection skipped" in note for note in p.notes)
+    assert "could not restrict rank 1 to one GPU" in caplog.text
+
+
+# -- who tells the user: rank 0 once, the others only when asked --------------------------------
+
+def _import_as(rank: int, **extra: str) -> subprocess.CompletedProcess:
+    """``import tf_poseidon`` (which does not import TensorFlow) in a fresh interpreter as rank
+    ``rank`` of a 2-rank job on one host with CUDA_VISIBLE_DEVICES=5,7, logging unconfigured."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "TF_NUM_", "CUDA_",
+                                "TF_POSEIDON_"))}
+    env.update(openmpi(rank, 2, CUDA_VISIBLE_DEVICES="5,7", PYTHONPATH=str(REPO), **extra))
+    return subprocess.run([sys.executable, "-c", "import tf_poseidon"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_rank_0_prints_its_placement_once_and_the_other_ranks_stay_quiet():
+    chief, other = _import_as(0), _import_as(1)
+    assert chief.returncode == other.returncode == 0, chief.stderr + other.stderr
+    assert chief.stderr.splitlines() == ["tf_poseidon placement: rank 0 (local 0 of 2): GPU "
+                                         "ordinal 0 of 2 visible (CUDA device '5')"]
+    assert (chief.stdout, other.stdout, other.stderr) == ("", "", "")
+    every = _import_as(1, TF_POSEIDON_LOG_ALL_RANKS="1")
+    assert every.stderr.splitlines() == ["tf_poseidon placement: rank 1 (local 1 of 2): GPU "
+                                         "ordinal 1 of 2 visible (CUDA device '7')"]
+
+
+def test_where_logging_shows_the_placement_it_is_not_printed_again(capsys, caplog):
+    world = World(rank=0, size=2, local_rank=0, local_size=2, launcher="openmpi")
+    with caplog.at_level("INFO", logger="tf_poseidon"):  # a handler that shows INFO records
+        placement._announce("tf_poseidon placement: here", world, {})
+    assert caplog.messages == ["tf_poseidon placement: here"]
+    assert capsys.readouterr().err == ""

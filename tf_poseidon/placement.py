@@ -32,8 +32,11 @@ Rules (applied only when the job has more than one process, on this host or in a
 - If TensorFlow's runtime is already initialised, the pools (and visible GPUs) can no longer
   change; that is reported in :attr:`Placement.notes` and logged, not raised.
 
-The choice is logged once per process (logger ``tf_poseidon``, INFO). Before TensorFlow is
-imported, the thread counts are passed through ``TF_NUM_INTRAOP_THREADS`` and
+The choice is logged once per process (logger ``tf_poseidon``, INFO). So that a user sees it
+without configuring logging, rank 0 also prints that line to stderr once where logging would
+not show it (the default: nothing shows tf_poseidon's INFO records); the other ranks stay
+quiet unless ``TF_POSEIDON_LOG_ALL_RANKS=1``, under which each prints its own. Before
+TensorFlow is imported, the thread counts are passed through ``TF_NUM_INTRAOP_THREADS`` and
 ``TF_NUM_INTEROP_THREADS``, which TensorFlow reads when it creates its pools.
 """
 
@@ -52,6 +55,7 @@ from tf_poseidon.world import World
 MIN_INTER_OP_THREADS = 2
 DEFAULT_INTER_OP_THREADS = 2
 ALLOW_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"
+LOG_ALL_RANKS_ENV = "TF_POSEIDON_LOG_ALL_RANKS"
 _log = logging.getLogger("tf_poseidon")
 
 
@@ -60,7 +64,9 @@ class Placement:
     """What this rank uses. ``None`` means TensorFlow's own default was left in place.
 
     ``gpu``: the device this rank uses, named as the process saw the devices before the choice
-    (an entry of ``CUDA_VISIBLE_DEVICES``: an index, a ``GPU-…`` UUID or a ``MIG-…`` id).
+    (an entry of ``CUDA_VISIBLE_DEVICES``: an index, a ``GPU-…`` UUID or a ``MIG-…`` id; or,
+    when TensorFlow was imported first and lists another number of GPUs than that variable
+    has entries, TensorFlow's name of the device, ``/physical_device:GPU:<n>``).
     ``gpu_ordinal``: its position among the visible devices before the choice (TensorFlow's
     ``/GPU:<gpu_ordinal>`` then; after the choice the rank sees it as ``/GPU:0``).
     ``visible_gpus``: how many devices were visible before the choice.
@@ -194,7 +200,7 @@ def configure_process(world: World, environ: MutableMapping[str, str] | None = N
     (CUDA_VISIBLE_DEVICES, TF_FORCE_GPU_ALLOW_GROWTH, TF_NUM_INTRAOP_THREADS,
     TF_NUM_INTEROP_THREADS); after, it uses ``tf.config`` and, if the runtime is already
     initialised, leaves TF as it is and says so in ``notes`` (logged at WARNING). Logs the
-    choice once (INFO).
+    choice once (INFO; see :func:`_announce` for who also prints it).
     """
     global _placement
     with _lock:
@@ -205,10 +211,21 @@ def configure_process(world: World, environ: MutableMapping[str, str] | None = N
             else:
                 _placement = _apply_before_tf(world, env)
             if not _single_process(world):
-                _log.info("tf_poseidon placement: %s", _placement.describe(world))
+                _announce(f"tf_poseidon placement: {_placement.describe(world)}", world, env)
             for note in _placement.notes:
                 _log.info("tf_poseidon placement (rank %d): %s", world.rank, note)
         return _placement
+
+
+def _announce(line: str, world: World, environ: Mapping[str, str]) -> None:
+    """Logs ``line`` (logger ``tf_poseidon``, INFO) and, where logging would not show that
+    record (no handler, or tf_poseidon's INFO records filtered out: Python's default), also
+    prints it to stderr on rank 0, or on every rank under ``TF_POSEIDON_LOG_ALL_RANKS=1``."""
+    _log.info("%s", line)
+    if _log.isEnabledFor(logging.INFO) and _log.hasHandlers():
+        return
+    if world.rank == 0 or environ.get(LOG_ALL_RANKS_ENV) == "1":
+        print(line, file=sys.stderr, flush=True)
 
 
 def _apply_before_tf(world: World, env: MutableMapping[str, str]) -> Placement:
@@ -242,11 +259,20 @@ def _set_unless_user(env: MutableMapping[str, str], name: str, value: int,
     return value
 
 
+def _gpu_names(physical: Sequence, environ: Mapping[str, str]) -> list[str]:
+    """Names of TensorFlow's physical GPUs ``physical``, in its order: the entries of
+    ``CUDA_VISIBLE_DEVICES`` (as :func:`visible_gpus_before_tf` reads them, ``"0"``, ``"1"``,
+    ... when it is unset), or TensorFlow's own device names when the two lists differ in
+    length (TensorFlow leaves out GPUs it cannot use, and then which entry is which is
+    unknown)."""
+    names = visible_gpus_before_tf(environ, lambda: len(physical))
+    return names if len(names) == len(physical) else [device.name for device in physical]
+
+
 def _apply_with_tf(world: World, env: Mapping[str, str]) -> Placement:
     import tensorflow as tf
     physical = [] if _single_process(world) else tf.config.list_physical_devices("GPU")
-    placement = decide(world, env, len(os.sched_getaffinity(0)),
-                       [str(i) for i in range(len(physical))])
+    placement = decide(world, env, len(os.sched_getaffinity(0)), _gpu_names(physical, env))
     notes = list(placement.notes)
     if placement.gpu is not None:
         device = physical[placement.gpu_ordinal]
