@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Installs tf_poseidon (building its custom ops) into ./.venv and runs the whole test suite
 # against the installed package. Exit status is pytest's, except that "no tests collected"
-# (pytest's 5) counts as a failure.
+# (pytest's 5) counts as a failure. Without a C++ compiler it stops before pip, with one line
+# saying how to get one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source ci/venv_install.sh
+require_cxx || exit 1
 python3 -m venv .venv || exit 1
-rm -f .venv/.demo-installed  # ci/demo.sh's record of what it installed (see there)
+rm -f "$DEMO_STAMP"  # ci/demo.sh's record of its install, which this one replaces
 .venv/bin/pip install --quiet '.[test]' || exit 1
 # matplotlib for the tests that draw the benchmark chart, outside site-packages: where Keras can
 # import it, every rank of every test job imports it at start-up (tests/conftest.py: plotting).
