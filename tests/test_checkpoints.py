@@ -5,7 +5,9 @@ reference run (4 epochs with ModelCheckpoints and a BackupAndRestore), then a se
 every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and
 P=3, and must end with the reference's weights and optimizer state. Checkpoint files are
 loaded here, in a process that did not write them. SIGKILLs mid-save: the kill drills of
-tests/test_failures_and_logging.py.
+tests/test_failures_and_logging.py. Automatic restarts (``tfposeidon-run --max-restarts``):
+after a lost rank, with and without a backup, and on fewer hosts (``--min-np``, on an
+emulated cluster).
 """
 
 import json
@@ -21,6 +23,7 @@ import pytest
 
 from multirank import WORKERS, check, job_env, run_job
 from tf_poseidon import callbacks as tp_callbacks
+from tf_poseidon.testing import EmulatedCluster, available
 
 EPOCHS, INTERRUPT_AFTER = 4, 2
 TOLERANCE = 1e-5
@@ -95,6 +98,34 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     assert not backup.exists()
 
 
+def launch_with_restart(launcher_args, worker_args, cwd, mpi_args="", run=None) -> str:
+    """Output of ``tfposeidon-run --max-restarts 1 LAUNCHER_ARGS python checkpoint_train.py
+    WORKER_ARGS`` (stdout and stderr merged); fails the test if the job does not end with 0.
+    ``run(argv)`` starts it (default: here, as a subprocess)."""
+    argv = [sys.executable, "-m", "tf_poseidon.launcher", "--max-restarts", "1", *launcher_args,
+            *([f"--mpi-args={mpi_args}"] if mpi_args else []),
+            sys.executable, os.path.join(WORKERS, "checkpoint_train.py"), *worker_args]
+    if run is None:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=job_env(), timeout=600, cwd=cwd)
+        done.stdout = done.stdout.decode("utf-8", errors="replace")
+    else:
+        done = run(argv)
+    return check(done)
+
+
+def assert_restarted(output: str) -> None:
+    """The launcher's last words about the first launch: rank 1 was killed; then the restart."""
+    assert re.search(r"tfposeidon-run: the job failed: rank 1 \(PID \d+ on \S+\) died of "
+                     r"signal 9 \(Killed\)\ntfposeidon-run: restarting the job \(restart 1 of 1, "
+                     r"2 ranks\) after exit status \d+\n", output), output[-4000:]
+
+
+FROM_SCRATCH = ("tf_poseidon: restart 1 of the job (TF_POSEIDON_RESTART=1), and no "
+                "tp.callbacks.BackupAndRestore restored a backup: training starts from the "
+                "beginning")
+
+
 @pytest.mark.multirank
 def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
     # Backups every 5 batches (12 per epoch, 4 epochs, a Dropout layer); rank 1 is SIGKILLed
@@ -105,27 +136,91 @@ def test_restart_after_a_lost_rank_resumes_exactly(tmp_path):
     reference, restarted = tmp_path / "reference", tmp_path / "restarted"
     check(run_job(2, "checkpoint_train.py", str(reference), "--backup",
                   str(reference / "backup"), *args)[0])
-    done = subprocess.run(
-        [sys.executable, "-m", "tf_poseidon.launcher", "-np", "2", "--max-restarts", "1",
-         sys.executable, os.path.join(WORKERS, "checkpoint_train.py"), str(restarted),
-         "--backup", str(restarted / "backup"), *args, "--kill-rank1-at", "3:9"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_env(), timeout=600,
-        cwd=tmp_path)
-    done.stdout = done.stdout.decode("utf-8", errors="replace")
-    output = check(done)
-    assert re.search(r"tfposeidon-run: the job failed: rank 1 \(PID \d+ on \S+\) died of "
-                     r"signal 9 \(Killed\)\ntfposeidon-run: restarting the job \(restart 1 of 1, "
-                     r"2 ranks\) after exit status \d+\n", output), output[-4000:]
+    output = launch_with_restart(["-np", "2"], [str(restarted), "--backup",
+                                                str(restarted / "backup"), *args,
+                                                "--kill-rank1-at", "3:9"], tmp_path)
+    assert_restarted(output)
     assert output.count("tf_poseidon BackupAndRestore: resuming at epoch 3, after 6 of its "
                         "steps, from ") == 1, output[-4000:]
+    assert FROM_SCRATCH not in output
+    assert_resumed_like(reference, restarted, ranks=2)
+
+
+def assert_resumed_like(reference, restarted, ranks: int) -> None:
+    """Every rank of the restarted run ended with the weights, optimizer state and last two
+    epochs' losses of the uninterrupted reference, and the backup is gone."""
     expected = np.load(reference / "resumed_rank0.npz")
-    for rank in (0, 1):
+    for rank in range(ranks):
         got = np.load(restarted / f"resumed_rank{rank}.npz")
         assert max_difference(got["weights"], expected["weights"]) <= TOLERANCE
         assert max_difference(got["optimizer"], expected["optimizer"]) <= TOLERANCE
         assert len(got["loss"]) == 2
         assert max_difference(got["loss"], expected["loss"][2:]) <= TOLERANCE
     assert not (restarted / "backup").exists()
+
+
+@pytest.mark.multirank
+def test_restart_without_a_backup_says_it_starts_from_the_beginning(tmp_path):
+    # The same kill and restart with no BackupAndRestore in fit: the restarted job trains its
+    # 4 epochs again from the model's initial weights (it ends like an uninterrupted run), and
+    # rank 0 says so, once, when it first broadcasts its weights; the first launch does not.
+    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    check(run_job(2, "checkpoint_train.py", str(reference), "--plain")[0])
+    output = launch_with_restart(["-np", "2"], [str(restarted), "--plain", "--kill-rank1-at",
+                                                "3:9"], tmp_path, mpi_args="--tag-output")
+    assert_restarted(output)
+    said = [line for line in output.split("\n") if FROM_SCRATCH in line]
+    assert len(said) == 1 and said[0].startswith("[1,0]<stderr>: "), output[-4000:]
+    assert output.index(said[0]) > output.index("tfposeidon-run: restarting the job")
+    expected = np.load(reference / "plain_rank0.npz")
+    for rank in (0, 1):
+        got = np.load(restarted / f"plain_rank{rank}.npz")
+        assert len(got["loss"]) == EPOCHS
+        assert max_difference(got["loss"], expected["loss"]) <= TOLERANCE
+        assert max_difference(got["weights"], expected["weights"]) <= TOLERANCE
+
+
+@pytest.mark.cluster
+@pytest.mark.multirank
+def test_min_np_restart_resumes_on_the_hosts_left(tmp_path):
+    # Three emulated hosts, one rank each; backups every 5 batches. Before epoch 3's 9th batch
+    # rank 1 dies with its host: it marks host1 lost (the rsh agent refuses it from then on)
+    # and SIGKILLs itself. tfposeidon-run --max-restarts 1 --min-np 2 checks the hosts again,
+    # leaves host1 out and restarts on host0 and host2: 2 ranks, which resume after 6 batches
+    # of epoch 3 and end like an uninterrupted run (sync training without randomness does not
+    # depend on the number of ranks). Open MPI reports the lost rank in one of two ways
+    # (test_multihost.py), so only the hosts left and the restart are checked here.
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    check(run_job(2, "checkpoint_train.py", str(reference), "--backup",
+                  str(reference / "backup"), "--save-freq", "5")[0])
+    marker = tmp_path / "host1-lost"
+    with EmulatedCluster(3, None) as cluster:
+        agent = tmp_path / "agent.sh"
+        agent.write_text(f'#!/bin/sh\nif [ "$1" = host1 ] && [ -e {marker} ]; then\n'
+                         '  echo "ssh: connect to host host1 port 22: No route to host" >&2\n'
+                         f'  exit 255\nfi\nexec {cluster.agent} "$@"\n')
+        agent.chmod(0o755)
+
+        def on_host0(argv):
+            done = cluster.run(argv, env=job_env(), timeout=600)
+            done.stdout += done.stderr  # the launcher's own lines are all on stderr
+            return done
+        output = launch_with_restart(
+            ["-np", "3", "-H", "host0:1,host1:1,host2:1", "--min-np", "2",
+             "--network-interfaces", "eth0"],
+            [str(restarted), "--backup", str(restarted / "backup"), "--save-freq", "5",
+             "--kill-rank1-at", "3:9", "--lost-marker", str(marker)], tmp_path,
+            mpi_args=f"--mca plm_rsh_agent {agent}", run=on_host0)
+    assert re.search(r"tfposeidon-run: host1: .* failed with exit 255: ssh: connect to host "
+                     r"host1 port 22: No route to host\ntfposeidon-run: restarting the job "
+                     r"\(restart 1 of 1, 2 ranks\) after exit status \d+\n", output), \
+        output[-4000:]
+    assert output.count("tf_poseidon BackupAndRestore: resuming at epoch 3, after 6 of its "
+                        "steps, from ") == 1, output[-4000:]
+    assert_resumed_like(reference, restarted, ranks=2)
 
 
 @pytest.mark.multirank

@@ -37,7 +37,9 @@ from keras.src.backend.common import global_state
 from keras.src.random import seed_generator as keras_seed_generator
 from keras.src.utils import io_utils
 
+from tf_poseidon import initial_sync
 from tf_poseidon.export import atomic_path, consistent_state, multi_rank_strategy, run_on_chief
+from tf_poseidon.launcher import RESTART_ENV
 
 _ALGORITHM = "algorithm/"  # prefix of the algorithm's state in a backup's state file
 _BACKUP_FILE = re.compile(r"backup-\d+\.(weights\.h5|state\.npz)")
@@ -93,8 +95,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     * ``on_train_begin`` — every rank reads the committed backup, if any, and restores the
       model, the optimizer, the random generators and the epoch to start from; rank 0 prints
-      where training resumes. Not collective; every rank must see rank 0's files (shared
-      filesystem or a copy).
+      where training resumes (on a restarted job without a backup: that it starts from the
+      beginning). Not collective; every rank must see rank 0's files (shared filesystem or a
+      copy).
     * a backup taken after ``steps_done`` steps of an epoch (``save_freq`` an int) resumes in
       that epoch: its first ``steps_done`` batches are read from the input and skipped (their
       batch callbacks see empty logs, and no backup is taken during them), the epoch's metric
@@ -125,8 +128,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_begin(self, logs=None):
         self._committed, self._resume_steps, self._resume_metrics = None, 0, None
+        initial_sync.restart_reported()  # said below: where training resumes, or from scratch
         if not os.path.exists(self._training_metadata_path):
-            restart = os.environ.get("TF_POSEIDON_RESTART", "0")
+            restart = os.environ.get(RESTART_ENV, "0")
             if restart != "0" and _is_chief(self.model):
                 io_utils.print_msg(f"tf_poseidon BackupAndRestore: restart {restart} of the job "
                                    f"but no backup in {self.backup_dir}: training starts from "

@@ -10,10 +10,16 @@ fastest rank waits for the slowest to start, build its model and load its data. 
 is loaded (or, on first use on this host, built) just before, so that a rank building it is
 covered by that timeout rather than the step timeout of the first training step. The broadcast
 then has a limit that grows with its bytes (timeouts.broadcast_s).
+
+A restarted job (``tfposeidon-run --max-restarts``) must never start from scratch silently: at
+this first broadcast, rank 0 says so unless ``tp.callbacks.BackupAndRestore`` has already
+reported where training resumes (:func:`restart_reported`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -22,8 +28,37 @@ import tensorflow as tf
 from tf_poseidon import ops, timeouts
 from tf_poseidon.comm import collectives
 from tf_poseidon.comm.engine import CommEngine
+from tf_poseidon.launcher import RESTART_ENV
 
 Description = tuple[str, tuple, str]
+FIRST_MEETING = "the ranks' first meeting (the check that they built the same variables)"
+"""The label of the ranks' first meeting (the engine call that gathers their descriptions)."""
+
+_restart_reported = False
+
+
+def restart_reported() -> None:
+    """Says that this process has reported where a restarted job's training resumes
+    (``tp.callbacks.BackupAndRestore`` does, at the start of ``fit``), so that the first
+    broadcast does not say that it starts from the beginning. Any rank, any thread; never
+    blocks."""
+    global _restart_reported
+    _restart_reported = True
+
+
+def _report_restart(rank: int) -> None:
+    """On rank 0 of a restarted job, once: that training starts from the beginning, unless a
+    BackupAndRestore has reported otherwise (module docstring)."""
+    restart = os.environ.get(RESTART_ENV, "0")
+    if restart == "0" or _restart_reported:
+        return
+    restart_reported()
+    if rank == 0:
+        print(f"tf_poseidon: restart {restart} of the job ({RESTART_ENV}={restart}), and no "
+              "tp.callbacks.BackupAndRestore restored a backup: training starts from the "
+              "beginning, from the weights this program built or loaded itself. Pass "
+              "tp.callbacks.BackupAndRestore(backup_dir) to fit to resume where the job "
+              "failed.", file=sys.stderr, flush=True)
 
 
 def describe(variables: Sequence[tf.Variable]) -> list[Description]:
@@ -54,19 +89,21 @@ def check_and_broadcast(engine: CommEngine, variables: Sequence[tf.Variable]) ->
     rank 0's values to every rank's variables.
 
     Raises ValueError (on every rank) if the variables differ. Timeouts: the start timeout
-    for the check, then the broadcast's (grows with the bytes); see timeouts.py.
+    for the check, then the broadcast's (grows with the bytes); see timeouts.py. On a
+    restarted job, rank 0 may print that training starts from the beginning (module
+    docstring).
     """
     ops.available()  # loads, or builds, the op library before the meeting; see module doc
     described = describe(variables)
     per_rank = timeouts.engine_call(
-        engine, lambda comm: comm.allgather(described), timeouts.start_s(),
-        "the ranks' first meeting (the check that they built the same variables)",
+        engine, lambda comm: comm.allgather(described), timeouts.start_s(), FIRST_MEETING,
         "TF_POSEIDON_START_TIMEOUT")
     mismatch = first_mismatch(per_rank)
     if mismatch:
         raise ValueError(
             "tf_poseidon: the ranks built different models: " + mismatch + ". Every rank must "
             "create the same variables in the same order under strategy.scope().")
+    _report_restart(engine.rank)
     by_dtype: dict[tf.DType, list[tf.Variable]] = {}
     for v in variables:
         by_dtype.setdefault(v.dtype, []).append(v)

@@ -227,7 +227,9 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         """The algorithm's runtime object (``config.algorithm.reify``), built on first use (on
         every rank at the same point: it may be collective). Only when P > 1."""
         if self._algorithm_impl is None:
-            self._algorithm_impl = self.config.algorithm.reify(AlgorithmContext(
+            algorithm = self.config.algorithm
+            self.engine.declare_training_groups(algorithm.training_groups)
+            self._algorithm_impl = algorithm.reify(AlgorithmContext(
                 self.engine, self.sequencer, self._world.size, self.config))
         return self._algorithm_impl
 

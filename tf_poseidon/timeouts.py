@@ -15,21 +15,31 @@ initial broadcast           :func:`broadcast_s`: the step timeout + 1 s per 10 M
 work on rank 0 only         heartbeats: silent for the step timeout, or longer than
                             :func:`chief_s` (``TF_POSEIDON_CHIEF_TIMEOUT``, default 3600 s)
 async EASGD meeting points  :func:`meeting_s`: ``TF_POSEIDON_MEETING_TIMEOUT`` (default 3600 s)
+end of the program          heartbeats from the ranks not there yet: silent for the step
+                            timeout, or longer than :func:`meeting_s` (comm/engine.py)
 ==========================  =================================================================
 
 A rank whose process dies is not a timeout's business: Open MPI's launcher notices the exit
 and ends the job within seconds. The limits catch ranks that are alive but stuck (or run a
 different program). Every function reads the environment at each call; a value that is not a
 positive number raises ValueError naming the variable.
+
+This module sits below the engine (comm/engine.py reads its limits here), so it imports nothing
+of the engine's: :func:`engine_call` and :func:`meet` take the engine as an argument.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from tf_poseidon.comm.engine import DEFAULT_TIMEOUT_S, CollectiveTimeoutError, CommEngine
+from tf_poseidon.comm.agreement import EPOCH_END_MEETING
+from tf_poseidon.comm.errors import CollectiveTimeoutError
 
+if TYPE_CHECKING:
+    from tf_poseidon.comm.engine import CommEngine
+
+DEFAULT_STEP_S = 120.0
 DEFAULT_START_S = 600.0
 DEFAULT_CHIEF_S = 3600.0
 DEFAULT_MEETING_S = 3600.0
@@ -53,7 +63,7 @@ def _seconds(name: str, default: float) -> float:
 def step_s() -> float:
     """Any wait for a collective of training, evaluation or prediction; also how long rank 0
     may stay silent during work only it does (``TF_POSEIDON_TIMEOUT``, default 120 s)."""
-    return _seconds("TF_POSEIDON_TIMEOUT", DEFAULT_TIMEOUT_S)
+    return _seconds("TF_POSEIDON_TIMEOUT", DEFAULT_STEP_S)
 
 
 def start_s() -> float:
@@ -77,12 +87,13 @@ def chief_s() -> float:
 
 def meeting_s() -> float:
     """Asynchronous EASGD's meeting points (end of an epoch or of ``fit``, evaluate,
-    checkpoints), where the ranks, each at its own pace, wait for the slowest
-    (``TF_POSEIDON_MEETING_TIMEOUT``, default 3600 s)."""
+    checkpoints), where the ranks, each at its own pace, wait for the slowest; also the
+    longest a rank at the end of its program waits for the others, however steadily they
+    send heartbeats (``TF_POSEIDON_MEETING_TIMEOUT``, default 3600 s)."""
     return _seconds("TF_POSEIDON_MEETING_TIMEOUT", DEFAULT_MEETING_S)
 
 
-def engine_call(engine: CommEngine, fn: Callable[[Any], Any], timeout_s: float,
+def engine_call(engine: "CommEngine", fn: Callable[[Any], Any], timeout_s: float,
                 what: str, setting: str) -> Any:
     """``engine.call(fn, timeout_s)``, whose timeout names ``what`` timed out and the
     ``setting`` that bounds it. Collective and blocking, like ``CommEngine.call``."""
@@ -94,12 +105,12 @@ def engine_call(engine: CommEngine, fn: Callable[[Any], Any], timeout_s: float,
             "peer rank hangs or runs a different program.") from None
 
 
-def meet(engine: CommEngine) -> None:
+def meet(engine: "CommEngine") -> None:
     """Every rank: blocks until every rank has called it, for at most :func:`meeting_s`.
 
     For ranks that step at their own pace (asynchronous EASGD, SSP) before a collective that
     every rank joins at a point of the program rather than of training (the metrics at an
     epoch's end): the collective that follows then waits no longer than a step's.
     """
-    engine_call(engine, lambda comm: comm.Barrier(), meeting_s(),
-                "the meeting of all ranks at the end of an epoch", "TF_POSEIDON_MEETING_TIMEOUT")
+    engine_call(engine, lambda comm: comm.Barrier(), meeting_s(), EPOCH_END_MEETING,
+                "TF_POSEIDON_MEETING_TIMEOUT")

@@ -2,6 +2,7 @@
 
     checkpoint_train.py OUT [--reference] [--backup DIR [--interrupt-after K]
                             [--save-freq N] [--dropout] [--kill-rank1-at E:B]]
+                            [--plain [--kill-rank1-at E:B]] [--lost-marker FILE]
 
 Every rank works in OUT/rank<r>/ (its own working directory, so a file a non-chief rank wrote
 through a relative path would show up there) and seeds with its own rank (rank 0's initial
@@ -15,8 +16,12 @@ values, or the restored backup, must reach the others); every model starts from 
   epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
 * ``--save-freq N``: the BackupAndRestore backs up every N batches instead of every epoch.
 * ``--dropout``: the model has a Dropout layer (its random generator's state matters).
+* ``--plain``: trains a fresh model with no BackupAndRestore (a restart starts from scratch);
+  writes OUT/plain_rank<r>.npz.
 * ``--kill-rank1-at E:B``: rank 1 SIGKILLs itself before batch B of epoch E (1-based), on the
   first launch only (``TF_POSEIDON_RESTART`` unset or 0; tfposeidon-run --max-restarts sets it).
+* ``--lost-marker FILE``: rank 1 creates FILE just before it kills itself (a test's rsh agent
+  then refuses rank 1's host: the host is lost with its rank).
 """
 
 import argparse
@@ -68,11 +73,13 @@ class KillAfter(keras.callbacks.Callback):
 
 
 class KillRank1At(keras.callbacks.Callback):
-    """SIGKILLs rank 1 before batch ``b`` of epoch ``e`` (1-based), on a job's first launch."""
+    """SIGKILLs rank 1 before batch ``b`` of epoch ``e`` (1-based), on a job's first launch,
+    after creating ``marker`` if given."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, marker: str | None = None):
         super().__init__()
         self.epoch, self.batch = (int(n) for n in spec.split(":"))
+        self.marker = marker
         self.current = 0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -82,6 +89,8 @@ class KillRank1At(keras.callbacks.Callback):
         first_launch = os.environ.get("TF_POSEIDON_RESTART", "0") == "0"
         if first_launch and tp.rank() == 1 and (self.current, batch + 1) == (self.epoch,
                                                                              self.batch):
+            if self.marker:
+                open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -103,6 +112,8 @@ def main():
     parser.add_argument("--save-freq", type=int)
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--kill-rank1-at")
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--lost-marker")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     workdir = os.path.join(out, f"rank{tp.rank()}")
@@ -122,9 +133,12 @@ def main():
         if args.interrupt_after:
             callbacks.append(KillAfter(args.interrupt_after))
         if args.kill_rank1_at:
-            callbacks.append(KillRank1At(args.kill_rank1_at))
+            callbacks.append(KillRank1At(args.kill_rank1_at, args.lost_marker))
         train(new_model(strategy, args.dropout), callbacks,
               os.path.join(out, f"resumed_rank{tp.rank()}"))
+    if args.plain:
+        callbacks = [KillRank1At(args.kill_rank1_at)] if args.kill_rank1_at else []
+        train(new_model(strategy), callbacks, os.path.join(out, f"plain_rank{tp.rank()}"))
     print(f"rank {tp.rank()} done", flush=True)
 
 

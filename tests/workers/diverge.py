@@ -1,13 +1,21 @@
 """Worker for test_collective_agreement.py: ranks that post different collectives.
 
-    diverge.py chief_evaluate   after fit, only rank 0 runs evaluate (`if tp.is_chief():`)
-    diverge.py callback         a callback reduces on rank 0 only, at the end of epoch 1
-    diverge.py terminate_on_nan SSP (staleness 2): a NaN in rank 0's rows of batch 3 makes
-                                TerminateOnNaN stop training on rank 0 only
-    diverge.py lengths_steps    rank 0 gets 100 rows, rank 1 130 (batch 32: 4 vs 5 steps)
-    diverge.py lengths_rows     rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
+    diverge.py chief_evaluate    after fit, only rank 0 runs evaluate (`if tp.is_chief():`)
+    diverge.py callback          a callback reduces on rank 0 only, at the end of epoch 1
+    diverge.py terminate_on_nan  SSP (staleness 2): a NaN in rank 0's rows of batch 3 makes
+                                 TerminateOnNaN stop training on rank 0 only
+    diverge.py terminate_on_nan_easgd
+                                 asynchronous EASGD (τ = 2): a NaN in rank 1's rows of the last
+                                 batch of epoch 1 makes TerminateOnNaN end fit on rank 1 after
+                                 that epoch while rank 0 trains epoch 2, in which rank 0 waits 2 s
+                                 before its second batch and 60 s before its fourth (the ranks
+                                 meet next at the end of that epoch, so a mismatch found only
+                                 there comes a minute late)
+    diverge.py lengths_steps     rank 0 gets 100 rows, rank 1 130 (batch 32: 4 vs 5 steps)
+    diverge.py lengths_rows      rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
 
-Prints ``DIVERGE <unix time>`` just before the ranks go different ways.
+Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
+TerminateOnNaN stops training prints it when it does).
 """
 
 import os
@@ -22,21 +30,45 @@ import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
 
+STRATEGIES = {"terminate_on_nan": {"mode": "ssp", "staleness": 2},
+              "terminate_on_nan_easgd": {"mode": "easgd", "easgd_async": True, "tau": 2}}
+
 
 def diverging() -> None:
-    print(f"DIVERGE {time.time()}", flush=True)
+    print("DIVERGE", flush=True)
+
+
+class ReportStop(keras.callbacks.Callback):
+    """Placed after TerminateOnNaN: says DIVERGE when it has stopped training on this rank."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.stop_training:
+            diverging()
+
+
+class SlowSecondEpochOnRankZero(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if tp.rank() == 0 and self.epoch == 1:
+            time.sleep({1: 2, 3: 60}.get(batch, 0))
 
 
 def main(scenario: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(160, 8)).astype("float32")
     y = rng.normal(size=(160, 1)).astype("float32")
-    options = {"mode": "ssp", "staleness": 2} if scenario == "terminate_on_nan" else {}
-    strategy = tp.PoseidonStrategy(**options)
+    strategy = tp.PoseidonStrategy(**STRATEGIES.get(scenario, {}))
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
                                   keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    stopping = [keras.callbacks.TerminateOnNaN(), ReportStop()]
     if scenario == "chief_evaluate":
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         diverging()
@@ -51,9 +83,13 @@ def main(scenario: str) -> None:
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[ReduceOnRankZero()])
     elif scenario == "terminate_on_nan":
         x[3 * 32 + 5] = np.nan  # batch 3, row 5: rank 0's half of it
-        diverging()
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False, callbacks=stopping)
+    elif scenario == "terminate_on_nan_easgd":
+        # Batch 4, row 22: rank 1's half. Its step 5 has no exchange (τ = 2), so the center
+        # and rank 0 stay finite.
+        x[4 * 32 + 22] = np.nan
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False,
-                  callbacks=[keras.callbacks.TerminateOnNaN()])
+                  callbacks=[*stopping, SlowSecondEpochOnRankZero()])
     else:
         mine = 100 if tp.rank() == 0 else {"lengths_steps": 130, "lengths_rows": 110}[scenario]
         diverging()

@@ -69,13 +69,17 @@ class Algorithm:
     gradients through the per-layer protocol plan (sacp/: all-reduce, SFB, sparse rows,
     low-rank per gradient), so that ``lowrank=`` applies to it and ``AlgorithmImpl.plan``
     returns that plan once a step is traced; an algorithm that does not plan moves what it
-    moves itself, and ``strategy.plan()`` says so.
+    moves itself, and ``strategy.plan()`` says so. ``training_groups``: the names of the
+    collective groups (and engine calls) its training steps post; when ranks post different
+    collectives and one posted one of these, the error says that the ranks ran different
+    numbers of steps (comm/agreement.py).
     """
 
     name: ClassVar[str] = ""
     lockstep: bool = True
     asynchronous: bool = False
     plans: bool = False
+    training_groups: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, num_replicas: int) -> None:
         """Raises ValueError if the knobs cannot work on ``num_replicas`` ranks (called when

@@ -13,7 +13,12 @@ and export:
   mean distance from it per period.
 * asynchronous (``easgd_async=True``; Theano-MPI's form): c lives with a holder thread on rank
   0 (easgd_center.py); each rank, every τ of its *own* steps, exchanges with it alone:
-  d = α(x_p − c); x_p ← x_p − d; c ← c + d. No rank waits for another during training.
+  d = α(x_p − c); x_p ← x_p − d; c ← c + d. No rank waits for another during training, so
+  ranks that diverge (TerminateOnNaN, a callback, stopping training on one rank only) would
+  post no collective that the engine's agreement could compare until the next meeting; an
+  exchange checks instead that no rank has finished the fit it trains in
+  (easgd_center.FitEnds) and, if one has, joins that rank's meeting with a call labelled
+  :data:`EXCHANGE`: the agreement fails on every rank, naming both sides.
 
 What users see (docs/easgd.md): ``consistent_state()`` swaps the center into the model's
 trainable variables on every rank (the async form first fetches it from rank 0 and broadcasts
@@ -72,6 +77,11 @@ class _Group:
 
 ASYNC_DEFAULT_ALPHA = 0.5  # Theano-MPI's
 SYNC_DEFAULT_ALPHA_TIMES_P = 0.9  # Zhang et al.'s β = α·P
+MOVE, RESEED = "easgd", "easgd_reseed"  # the synchronous form's collective groups
+EXCHANGE = "an asynchronous EASGD exchange (training)"
+"""The engine call of an exchange that found a rank at the end of its fit."""
+FIT_END_MEETING = "the asynchronous EASGD meeting at the end of fit"
+MEETING = "the asynchronous EASGD meeting of all ranks"
 
 
 @register
@@ -89,6 +99,7 @@ class EASGD(Algorithm):
 
     name = "easgd"
     lockstep = False
+    training_groups = (MOVE, RESEED, EXCHANGE)
 
     def __init__(self, tau: int = 1, alpha: float | None = None, easgd_async: bool = False):
         if isinstance(tau, bool) or not isinstance(tau, int) or tau < 1:
@@ -157,7 +168,7 @@ class EASGDImpl(AlgorithmImpl):
         self._groups: dict[tuple, _Group] = {}
         self._swap_depth = 0
         self.counters = easgd_center.ExchangeCounters()
-        self._holder = self._client = None
+        self._holder = self._client = self._fit_ends = None
         if asynchronous:
             from mpi4py import MPI
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -165,6 +176,7 @@ class EASGDImpl(AlgorithmImpl):
                                    "MPI_THREAD_MULTIPLE (the center holder's thread and the "
                                    "engine's use MPI at the same time).")
             comm = engine.call(lambda world_comm: world_comm.Dup(), label="EASGD communicator")
+            self._fit_ends = easgd_center.FitEnds(comm)
             if engine.rank == easgd_center.HOLDER_RANK:
                 self._holder = easgd_center.CenterHolder(comm, self.alpha)
             else:
@@ -189,7 +201,8 @@ class EASGDImpl(AlgorithmImpl):
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
         """Replica context, after the optimizer's update: counts the step and, on every τ-th,
         makes the elastic move (sync: an all-reduce every rank joins; async: an exchange with
-        rank 0 that blocks this rank's step only, at most the collective timeout)."""
+        rank 0 that blocks this rank's step only, at most the collective timeout, or raises
+        CollectiveMismatchError when another rank has finished the fit: module docstring)."""
         group = self._group_for(list(variables))  # made by reduce_gradients, as a rule
         step = group.step.assign_add(1)
         move = self._move_async if self.asynchronous else self._move_sync
@@ -207,8 +220,11 @@ class EASGDImpl(AlgorithmImpl):
     def drain(self) -> None:
         """Every rank, eagerly (collective in the async form): x_p ← c for every group, so all
         ranks hold the center. Called at the end of ``fit``. The next training step restarts
-        the center from rank 0's weights then (see ``reduce_gradients``)."""
-        for group, center in zip(self._ordered_groups(), self._center_values()):
+        the center from rank 0's weights then (see ``reduce_gradients``). The async form first
+        tells the other ranks that this one has finished its fit (easgd_center.FitEnds)."""
+        if self._fit_ends is not None:
+            self._fit_ends.announce()
+        for group, center in zip(self._ordered_groups(), self._center_values(FIT_END_MEETING)):
             for variable, value in zip(group.variables, center):
                 variable.assign(value)
             group.reseed.assign(True)
@@ -228,7 +244,7 @@ class EASGDImpl(AlgorithmImpl):
                 self._swap_depth -= 1
             return
         groups = self._ordered_groups()
-        centers = self._center_values()
+        centers = self._center_values(MEETING)
         local = [[v.numpy() for v in g.variables] for g in groups]
         for group, center in zip(groups, centers):
             for variable, value in zip(group.variables, center):
@@ -281,8 +297,9 @@ class EASGDImpl(AlgorithmImpl):
         self._groups[key] = group
         return group
 
-    def _center_values(self) -> list[list[np.ndarray]]:
-        """Every group's center as numpy arrays shaped like its variables (eager)."""
+    def _center_values(self, meeting: str) -> list[list[np.ndarray]]:
+        """Every group's center as numpy arrays shaped like its variables (eager; the async
+        form fetches it at the meeting of all ranks labelled ``meeting``)."""
         groups = self._ordered_groups()
         if not self.asynchronous:
             return [[c.numpy() for c in g.centers] for g in groups]
@@ -298,8 +315,7 @@ class EASGDImpl(AlgorithmImpl):
                 flats.append(flat)
             return flats
         # A meeting point: the ranks, each at its own pace, wait here for the slowest.
-        flats = timeouts.engine_call(self.engine, fetch, timeouts.meeting_s(),
-                                     "the asynchronous EASGD meeting of all ranks",
+        flats = timeouts.engine_call(self.engine, fetch, timeouts.meeting_s(), meeting,
                                      "TF_POSEIDON_MEETING_TIMEOUT")
         return [_unflatten(flat, g) for flat, g in zip(flats, groups)]
 
@@ -324,7 +340,7 @@ class EASGDImpl(AlgorithmImpl):
         mine = [v.read_value() for v in group.variables]
         if self.engine.rank != 0:
             mine = [tf.zeros_like(x) for x in mine]
-        rank0 = self.sum_over_ranks("easgd_reseed", mine, group.names, self._exact)
+        rank0 = self.sum_over_ranks(RESEED, mine, group.names, self._exact)
         for center, value in zip(group.centers, rank0):
             center.assign(value)
         group.reseed.assign(False)
@@ -336,7 +352,7 @@ class EASGDImpl(AlgorithmImpl):
                        for v, c in zip(group.variables, group.centers)]
         # May travel in 16 bits: summed in float32, the same result on every rank, so the
         # centers stay equal. The async exchange and the center's restart are never compressed.
-        total = self.sum_over_ranks("easgd", differences, group.names)
+        total = self.sum_over_ranks(MOVE, differences, group.names)
         for variable, center, d, summed in zip(group.variables, group.centers, differences,
                                                total):
             variable.assign_sub(d)
@@ -347,6 +363,10 @@ class EASGDImpl(AlgorithmImpl):
         holder, client, counters = self._holder, self._client, self.counters
 
         def exchange(*arrays: np.ndarray) -> np.ndarray:
+            if self._fit_ends.ahead():
+                # They wait at FIT_END_MEETING: this call's agreement fails there and here,
+                # on every rank, with CollectiveMismatchError naming both sides.
+                self.engine.call(lambda comm: None, timeouts.meeting_s(), label=EXCHANGE)
             x = _flatten(arrays[:count], dtype)
             if holder is not None:
                 d = holder.exchange(index, x)

@@ -32,7 +32,7 @@ inter-op thread), the holder from its own thread, the engine from its own thread
 ``MPI_THREAD_MULTIPLE`` is required (``world.mpi_comm`` requests it; Open MPI provides it).
 Every wait polls (``Test``/``Improbe``) with a sleep that grows to a few milliseconds, so a
 waiting thread gives its core to TensorFlow (a blocking MPI wait would spin on it), and gives
-up after :func:`~tf_poseidon.comm.engine.collective_timeout_s` with a message naming what it
+up after :func:`~tf_poseidon.timeouts.step_s` with a message naming what it
 waited for. Measured here: mpi4py's pickle-based calls (``comm.reduce``, ``comm.allgather``,
 ...) keep the GIL while they wait, so while rank 0 is blocked in one of them its holder thread
 cannot answer; rank 0 only waits for others in buffer calls (``Barrier``, ``Bcast``) while
@@ -48,11 +48,13 @@ from typing import Callable
 
 import numpy as np
 
+from tf_poseidon import timeouts
 from tf_poseidon.comm.collectives import as_mpi_buffer
-from tf_poseidon.comm.engine import CollectiveTimeoutError, collective_timeout_s
+from tf_poseidon.comm.errors import CollectiveTimeoutError
 
 EXCHANGE_TAG = 7100
 REPLY_TAG = 7101
+FIT_END_TAG = 7099  # below the groups' tags, which grow upward from EXCHANGE_TAG
 HOLDER_RANK = 0
 CHUNK_BYTES = 1 << 20
 
@@ -219,7 +221,7 @@ class CenterHolder:
         receives = [message.Irecv(wire[bounds[0][0]:bounds[0][1]])] + [
             self._comm.Irecv(wire[a:b], source=source, tag=tag) for a, b in bounds[1:]]
         sends, replies = [], []
-        timeout = collective_timeout_s()
+        timeout = timeouts.step_s()
         for (a, b), receive in zip(bounds, receives):
             if not _poll(receive.Test, timeout, f"the EASGD exchange from rank {source}",
                          self._stop.is_set):
@@ -233,6 +235,49 @@ class CenterHolder:
         self.served.exchanges += 1
         self.served.bytes_received += x.nbytes
         self.served.bytes_sent += x.nbytes
+
+
+class FitEnds:
+    """Which ranks have finished ``fit`` while this one still trains (any rank).
+
+    A rank that trains (exchanges with the center) never communicates with a rank that has
+    finished, so without these messages the ranks would find that they ran different numbers
+    of epochs only at the next point where all meet (the end of the longer epoch). At the end
+    of every ``fit`` (``EASGDImpl.drain``), a rank sends every other rank how many fits it has
+    finished (tag :data:`FIT_END_TAG`, on the holder's communicator); at each exchange a rank
+    reads the counts that arrived. In a healthy job no rank finishes a fit while another still
+    trains in it (every epoch ends at a meeting of all ranks, and ``fit`` ends after one), so a
+    count above this rank's own means the ranks diverged. ``announce`` (main thread) and
+    ``ahead`` (an exchange's thread) never block.
+    """
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._peers = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
+        self._lock = threading.Lock()
+        self._finished = 0                       # fits this rank has finished
+        self._theirs = dict.fromkeys(self._peers, 0)
+        self._sends: list = []                   # (request, buffer) until the send completes
+        self._inbox = np.empty(1, np.int64)
+
+    def announce(self) -> None:
+        """This rank has finished a fit: tells every other rank."""
+        with self._lock:
+            self._finished += 1
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+            for rank in self._peers:
+                count = np.array([self._finished], np.int64)
+                self._sends.append((self._comm.Isend(count, dest=rank, tag=FIT_END_TAG), count))
+
+    def ahead(self) -> list[int]:
+        """The ranks that have finished more fits than this one (in the fit this rank trains
+        in, for the first time: they diverged)."""
+        with self._lock:
+            for rank in self._peers:
+                while self._comm.Iprobe(source=rank, tag=FIT_END_TAG):
+                    self._comm.Irecv(self._inbox, source=rank, tag=FIT_END_TAG).Wait()  # there
+                    self._theirs[rank] = max(self._theirs[rank], int(self._inbox[0]))
+            return [rank for rank, count in self._theirs.items() if count > self._finished]
 
 
 class CenterClient:
@@ -251,7 +296,7 @@ class CenterClient:
                                      tag=REPLY_TAG + 2 * group) for a, b in bounds]
         requests += [self._comm.Isend(x_wire[a:b], dest=HOLDER_RANK,
                                       tag=EXCHANGE_TAG + 2 * group) for a, b in bounds]
-        _poll(lambda: _mpi().Request.Testall(requests), collective_timeout_s(),
+        _poll(lambda: _mpi().Request.Testall(requests), timeouts.step_s(),
               "an exchange with the EASGD center holder (rank 0)")
         counters.exchanges += 1
         counters.bytes_sent += x.nbytes

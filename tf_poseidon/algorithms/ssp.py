@@ -45,7 +45,7 @@ from tf_poseidon import host_kernels
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
                                          items_of, variable_names)
 from tf_poseidon.algorithms.registry import register
-from tf_poseidon.algorithms.sync import SyncImpl
+from tf_poseidon.algorithms.sync import GRADIENTS, SyncImpl
 from tf_poseidon.comm import buckets as buckets_lib, collectives, graph_ops
 from tf_poseidon.comm.codecs import Codec, Exact
 from tf_poseidon.comm.engine import CollectiveGroup
@@ -53,6 +53,8 @@ from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 
 PAIRWISE_TAG = 7200  # the two-rank exchange's messages on the engine's communicator
+DELTAS = "ssp_deltas"
+"""The collective group of a training step's parameter deltas."""
 
 
 @register
@@ -61,6 +63,7 @@ class SSP(Algorithm):
     mode itself): see the module docstring and docs/ssp.md."""
 
     name = "ssp"
+    training_groups = (GRADIENTS, DELTAS)  # staleness 0 is sync itself
 
     def __init__(self, staleness: int = 0):
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
@@ -307,7 +310,7 @@ class SSPImpl(AlgorithmImpl):
         key = tuple((v.name, tuple(v.shape.as_list())) for v in variables)
         if key not in self._exchanges:
             self._exchanges[key] = _DeltaExchange(
-                "ssp_deltas", self.codec, variables, self.plan_buckets, self.staleness,
+                DELTAS, self.codec, variables, self.plan_buckets, self.staleness,
                 self.num_replicas, self.ssp_stats)
         return self._exchanges[key]
 

@@ -36,6 +36,9 @@ from tf_poseidon.lowrank import protocol as lowrank_protocol
 from tf_poseidon.sacp import plan as plan_lib
 from tf_poseidon.sfb import capture, protocol as sfb_protocol
 
+GRADIENTS = "gradients"
+"""The collective group of a training step's gradients."""
+
 
 @register
 class Sync(Algorithm):
@@ -43,6 +46,7 @@ class Sync(Algorithm):
 
     name = "sync"
     plans = True
+    training_groups = (GRADIENTS,)
 
     def reify(self, context: AlgorithmContext) -> "SyncImpl":
         return SyncImpl(context)
@@ -176,7 +180,7 @@ class SyncImpl(AlgorithmImpl):
             items.append(buckets_lib.Item.of(weight.count, "batch_share"))
             inputs.append([weight.count])
         wait_for = [t for member in inputs for t in member] if not self._overlap else []
-        group = CollectiveGroup("gradients", self.plan_buckets(items), self._protocols,
+        group = CollectiveGroup(GRADIENTS, self.plan_buckets(items), self._protocols,
                                 self._tuner)
         results = graph_ops.run_buckets(self.engine, self.sequencer, group, inputs, wait_for)
         factor = weight.unweighting(results.pop()) if weight is not None else None

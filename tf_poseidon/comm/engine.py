@@ -23,8 +23,19 @@ Control-plane work (the initial broadcast, descriptor checks) goes through the s
 Before it posts a group instance or runs a call, the engine checks that every rank posts the
 same (comm/agreement.py: one 16-byte all-gather); a mismatch raises on every rank, naming what
 each posted, instead of summing unrelated buffers or hanging. At exit every rank posts "end of
-program" the same way, so a rank still communicating learns that a peer has finished. After a
-failure the engine fails every later collective with the same error.
+program" the same way, so a rank still communicating learns that a peer has finished
+(:meth:`CommEngine.end_of_program`). After a failure the engine fails every later collective
+with the same error.
+
+A rank that has reached the end of its program waits there for the others, which may still be
+working alone (rank 0 writing files after training, a rank of asynchronous EASGD still stepping).
+To tell a working peer from a stuck one, it tells every other rank that it has arrived (a
+point-to-point message of tag :data:`EXIT_TAG` on the engine's communicator), and the engine
+thread of every rank not there yet answers, while it is idle, with a heartbeat (tag
+:data:`ALIVE_TAG`) every :data:`HEARTBEAT_INTERVAL_S`. The waiting rank gives up when a peer has
+been silent for the step timeout (its process is stopped, or something holds Python's GIL), or
+when the wait has lasted :func:`tf_poseidon.timeouts.meeting_s` however steadily the heartbeats
+come (a peer alive but stuck: a deadlock of its own threads, an endless loop).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from tf_poseidon import timeouts
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm import timeline as timeline_lib
 from tf_poseidon.comm import agreement, autotune
@@ -48,14 +60,14 @@ from tf_poseidon.comm.buckets import Bucket
 from tf_poseidon.comm.errors import CollectiveMismatchError, CollectiveTimeoutError
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
-DEFAULT_TIMEOUT_S = 120.0
 ENGINE_REPORT_GRACE_S = 2.0
-"""How much longer a graph op waits for a result than the engine waits for its peers."""
-
-
-def collective_timeout_s() -> float:
-    """Seconds any wait for a peer may last before failing (env ``TF_POSEIDON_TIMEOUT``)."""
-    return float(os.environ.get("TF_POSEIDON_TIMEOUT", DEFAULT_TIMEOUT_S))
+"""How much longer a caller waits for a result than the engine waits for its peers."""
+EXIT_TAG = 7400
+"""Tag of "this rank has reached the end of its program" (module docstring)."""
+ALIVE_TAG = 7401
+"""Tag of a heartbeat to a rank waiting at the end of its program: alive, not there yet."""
+HEARTBEAT_INTERVAL_S = 1.0
+_EXIT_PROBE_S = 0.05  # how often a rank at the end of its program looks for messages
 
 
 class CollectiveGroup:
@@ -112,14 +124,14 @@ class CollectiveGroup:
         """Blocks the calling thread until bucket ``index``'s next result is there.
 
         Called from graph ops (any thread but the engine's). Raises CollectiveTimeoutError
-        after ``timeout_s`` (default: :func:`collective_timeout_s`), or re-raises the error
+        after ``timeout_s`` (default: ``timeouts.step_s()``), or re-raises the error
         the engine met while running this bucket. The engine's own wait for its peers
         (agreement.agree, which names the step a missing peer did not post) has the same
         limit and starts first; this wait gives it ENGINE_REPORT_GRACE_S more to deliver
         that error, so the precise message wins, and fails by itself only when the engine
         thread is stuck inside MPI.
         """
-        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        timeout_s = timeouts.step_s() if timeout_s is None else timeout_s
         try:
             result = self._results[index].get(timeout=timeout_s + ENGINE_REPORT_GRACE_S)
         except queue.Empty:
@@ -148,6 +160,8 @@ class _CallJob:
     done: threading.Event
     label: str
     timeout_s: float
+    # Engine thread, just before the agreement: makes the agreement's give_up (None: timeout_s).
+    patience: Callable[[], Callable[[], str | None]] | None = None
     result: Any = None
 
 
@@ -166,6 +180,8 @@ class CommEngine:
         self.timeline = timeline
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
+        self._exits = _ExitHeartbeats(comm)
+        self.training_groups: frozenset[str] = frozenset()
         self._thread = threading.Thread(target=self._loop, name="tf_poseidon-comm", daemon=True)
         self._thread.start()
 
@@ -176,25 +192,50 @@ class CommEngine:
         """
         self._jobs.put(_BucketJob(group, index, payload, time.perf_counter()))
 
+    def declare_training_groups(self, names) -> None:
+        """Adds ``names`` (groups and calls that training steps post: the algorithm's
+        ``training_groups``) to those a mismatch report calls training (comm/agreement.py).
+        Any thread; never blocks."""
+        self.training_groups = self.training_groups | frozenset(names)
+
     def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None,
              label: str | None = None) -> Any:
         """Runs ``fn(comm)`` on the engine thread after all work submitted before it.
 
         Blocks the caller until it returns (at most ``timeout_s``, default
-        :func:`collective_timeout_s`); returns its result or re-raises its exception. Every
-        rank must make the same sequence of calls, like any MPI collective: the ranks first
-        agree that they all run a call of the same ``label`` (default: ``fn``'s name), waiting
-        for each other at most ``timeout_s`` too.
+        ``timeouts.step_s()``, and ENGINE_REPORT_GRACE_S for the engine to report); returns
+        its result or re-raises its exception. Every rank must make the same sequence of
+        calls, like any MPI collective: the ranks first agree that they all run a call of the
+        same ``label`` (default: ``fn``'s name), waiting for each other at most ``timeout_s``
+        too.
         """
-        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        timeout_s = timeouts.step_s() if timeout_s is None else timeout_s
         label = label or getattr(fn, "__name__", "call")
-        job = _CallJob(fn, threading.Event(), f"control-plane call {label!r}", timeout_s)
+        return self._finish(_CallJob(fn, threading.Event(), label, timeout_s))
+
+    def end_of_program(self) -> None:
+        """Every rank, at the end of its program (``atexit`` calls it for the process's
+        engine): blocks until every rank has called it, after all work submitted before it.
+
+        Raises CollectiveMismatchError (on every rank) if a rank posts anything else
+        meanwhile, and CollectiveTimeoutError when a rank not there yet has sent no heartbeat
+        for ``timeouts.step_s()`` or the wait has lasted ``timeouts.meeting_s()`` (module
+        docstring).
+        """
+        limit_s, silence_s = timeouts.meeting_s(), timeouts.step_s()
+        self._finish(_CallJob(lambda comm: self._exits.flush(silence_s), threading.Event(),
+                              agreement.END_OF_PROGRAM, limit_s,
+                              lambda: self._exits.arrive(limit_s, silence_s)))
+
+    def _finish(self, job: _CallJob) -> Any:
+        """Queues ``job`` and blocks until the engine has run it (at most its timeout and
+        ENGINE_REPORT_GRACE_S); its result, or its error raised."""
         self._jobs.put(job)
-        if not job.done.wait(timeout_s):
+        if not job.done.wait(job.timeout_s + ENGINE_REPORT_GRACE_S):
             raise CollectiveTimeoutError(
-                f"tf_poseidon: a control-plane collective ({getattr(fn, '__name__', fn)}) did "
-                f"not complete within {timeout_s:.0f} s; a peer rank has died, hangs, or runs "
-                "a different program. Set TF_POSEIDON_TIMEOUT to wait longer.")
+                f"tf_poseidon: the control-plane call {job.label!r} did not complete within "
+                f"{job.timeout_s:.0f} s; a peer rank has died, hangs, or runs a different "
+                "program. Set TF_POSEIDON_TIMEOUT to wait longer.")
         if isinstance(job.result, BaseException):
             raise job.result
         return job.result
@@ -216,7 +257,7 @@ class CommEngine:
                     first = stash.get((group.id, instance, 0))
                     if first is None:
                         break
-                    self._agree(group.signature(instance), collective_timeout_s())
+                    self._agree(group.signature(instance))
                     setting = self._begin(group, first.submitted_at)
                 if not setting.overlap and any((group.id, instance, k) not in stash
                                                for k in range(next_bucket, group.num_buckets)):
@@ -235,7 +276,13 @@ class CommEngine:
                 if next_bucket == group.num_buckets:
                     order.popleft()
                     next_bucket, setting = 0, None
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                job = None
+            self._answer_exits()
+            if job is None:
+                continue
             if isinstance(job, _CallJob):
                 self._run_call(job)
                 continue
@@ -286,7 +333,8 @@ class CommEngine:
         group._results[job.index].put(result.value)
 
     def _run_call(self, job: _CallJob) -> None:
-        self._agree(agreement.Signature(job.label, None), job.timeout_s)
+        self._agree(agreement.Signature(job.label, None, call=True), job.timeout_s,
+                    job.patience)
         try:
             if self._failure is not None:
                 raise self._failure
@@ -295,15 +343,120 @@ class CommEngine:
             job.result = e
         job.done.set()
 
-    def _agree(self, signature: agreement.Signature, timeout_s: float) -> None:
-        """Checks with the other ranks (agreement.agree) unless the engine has failed already;
-        a mismatch or a timeout becomes the engine's failure."""
+    def _agree(self, signature: agreement.Signature, timeout_s: float | None = None,
+               patience: Callable[[], Callable[[], str | None]] | None = None) -> None:
+        """Checks with the other ranks (agreement.agree; ``timeout_s`` default
+        ``timeouts.step_s()``; ``patience()`` makes its give_up) unless the engine has failed
+        already; a mismatch, a timeout or a bad timeout setting becomes the engine's
+        failure."""
         if self._failure is not None:
             return
         try:
-            agreement.agree(self.comm, signature, timeout_s)
-        except (CollectiveMismatchError, CollectiveTimeoutError) as e:
+            agreement.agree(self.comm, signature,
+                            timeouts.step_s() if timeout_s is None else timeout_s,
+                            self.training_groups, patience() if patience else None)
+        except (CollectiveMismatchError, CollectiveTimeoutError, ValueError) as e:
             self._failure = e
+
+    def _answer_exits(self) -> None:
+        """Heartbeats to the ranks waiting at the end of their program (_ExitHeartbeats.answer);
+        an MPI error there becomes the engine's failure."""
+        try:
+            self._exits.answer()
+        except Exception as e:  # noqa: BLE001 - MPI is broken: every later collective says so
+            if self._failure is None:
+                self._failure = e
+
+
+class _ExitHeartbeats:
+    """The end-of-program messages of one rank (module docstring). Engine thread only; no
+    method blocks except :meth:`flush` (bounded).
+
+    ``answer`` runs while the engine is idle: every HEARTBEAT_INTERVAL_S it collects the
+    EXIT notices that arrived and sends a heartbeat to each rank that has sent one. At its own
+    end of program a rank calls ``arrive`` (sends its EXIT notices; returns the give_up of the
+    agreement that waits for the others), then ``flush`` once every rank is there.
+    """
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._peers = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
+        self._exited: set[int] = set()  # peers that have reached the end of their program
+        self._sends: list = []          # (request, buffer): a buffer lives until its send ends
+        self._next_answer = 0.0
+        self._inbox = np.empty(1, np.int64)
+
+    def _send(self, rank: int, tag: int) -> None:
+        self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+        buffer = np.zeros(1, np.int64)
+        self._sends.append((self._comm.Isend(buffer, dest=rank, tag=tag), buffer))
+
+    def _arrived(self, tag: int) -> list[int]:
+        """The peers whose messages of ``tag`` have arrived (each received, once per message)."""
+        senders = []
+        for rank in self._peers:
+            while self._comm.Iprobe(source=rank, tag=tag):
+                self._comm.Irecv(self._inbox, source=rank, tag=tag).Wait()  # it is there
+                senders.append(rank)
+        return senders
+
+    def answer(self) -> None:
+        now = time.monotonic()
+        if now < self._next_answer:
+            return
+        self._next_answer = now + HEARTBEAT_INTERVAL_S
+        self._exited.update(self._arrived(EXIT_TAG))
+        for rank in self._exited:
+            self._send(rank, ALIVE_TAG)
+
+    def arrive(self, limit_s: float, silence_s: float) -> Callable[[], str | None]:
+        """Tells every other rank that this one has reached the end of its program; returns
+        the give_up of the wait for them: a message once a peer not there yet has been silent
+        for ``silence_s``, or after ``limit_s`` in all."""
+        for rank in self._peers:
+            self._send(rank, EXIT_TAG)
+        start = time.monotonic()
+        heard = dict.fromkeys(self._peers, start)
+        probed = [start]
+
+        def give_up() -> str | None:
+            now = time.monotonic()
+            if now - probed[0] < _EXIT_PROBE_S:
+                return None
+            probed[0] = now
+            self._exited.update(self._arrived(EXIT_TAG))
+            for rank in self._arrived(ALIVE_TAG):
+                heard[rank] = now
+            missing = [r for r in self._peers if r not in self._exited]
+            silent = [r for r in missing if now - heard[r] > silence_s]
+            if silent:
+                return (f"tf_poseidon: this rank has reached the end of its program and waits "
+                        f"for {_ranks(silent)}, which sent no heartbeat for {silence_s:.0f} s "
+                        "(TF_POSEIDON_TIMEOUT): a stopped process, or one whose Python "
+                        "threads cannot run.")
+            if now - start > limit_s:
+                return (f"tf_poseidon: this rank has reached the end of its program and has "
+                        f"waited {limit_s:.0f} s (TF_POSEIDON_MEETING_TIMEOUT) for "
+                        f"{_ranks(missing)}, alive but not at the end of the program: stuck "
+                        "(a deadlock, an endless loop), or working alone for longer than that.")
+            return None
+        return give_up
+
+    def flush(self, timeout_s: float) -> None:
+        """Waits until this rank's messages have left (at most ``timeout_s``): MPI must not be
+        finalized with sends in progress. The peers' last heartbeats need not be received."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.Test() for r, _ in self._sends):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"tf_poseidon: this rank's end-of-program messages were not delivered "
+                    f"within {timeout_s:.0f} s (TF_POSEIDON_TIMEOUT): a rank hangs.")
+            time.sleep(1e-3)
+        self._sends = []
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 _engine: CommEngine | None = None
@@ -332,14 +485,10 @@ def get_engine() -> CommEngine:
 
 
 def _end_of_program(engine: CommEngine) -> None:
-    """At exit, every rank agrees it has reached the end of its program (a rank still
-    communicating gets a CollectiveMismatchError naming this one); a mismatch here makes this
-    rank print it and abort the job (an exception in an exit handler would exit with 0). The
-    wait is a meeting's (timeouts.meeting_s): a rank may finish long before rank 0 has saved
-    its last checkpoint alone."""
-    from tf_poseidon import timeouts
+    """At exit (main thread): ``engine.end_of_program()``; a mismatch or a timeout there makes
+    this rank print it and abort the job (an exception in an exit handler would exit with 0)."""
     try:
-        engine.call(lambda comm: None, timeouts.meeting_s(), label=agreement.END_OF_PROGRAM)
+        engine.end_of_program()
     except (CollectiveMismatchError, CollectiveTimeoutError) as e:
         import sys
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ Semantics are MPI's, so that a test that passes here means what it would under m
   fails, every other rank's wait raises at once;
 * point to point: ``Isend`` is buffered (complete at once); ``Irecv`` takes the first message
   from ``source`` with ``tag`` in sending order and raises if it is longer than the buffer;
+  ``Iprobe`` says whether there is one;
 * buffers are C-contiguous numpy arrays of a dtype mpi4py can send (not bfloat16: view it as
   uint16, as the library does); requests have mpi4py's ``Test``, ``Wait`` and class methods
   ``Testall``, ``Waitall``.
@@ -446,6 +447,9 @@ class LoopbackComm:
         self._collective(name, (root, data.size, mine), combine,
                          functools.partial(np.copyto, data)).Wait()
 
+    def Ibarrier(self) -> Request:
+        return self._collective("Ibarrier", None, lambda b: [None] * len(b), lambda _: None)
+
     def Barrier(self) -> None:
         self._collective("Barrier", None, lambda b: [None] * len(b), lambda _: None).Wait()
 
@@ -495,6 +499,14 @@ class LoopbackComm:
             world._messages[self._rank, dest].append((tag, data))
             world._cond.notify_all()
         return Request(world, self._rank, lambda: None, lambda: "", lambda _: None)
+
+    def Iprobe(self, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> bool:
+        """Whether a message from ``source`` with ``tag`` is there to receive. Never blocks."""
+        world = self._world
+        sources = range(world.size) if source == MPI.ANY_SOURCE else [source]
+        with world._cond:
+            return any(tag == MPI.ANY_TAG or sent_tag == tag for s in sources
+                       for sent_tag, _ in world._messages.get((s, self._rank), ()))
 
     def Irecv(self, buf, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG) -> Request:
         if source != MPI.ANY_SOURCE:
