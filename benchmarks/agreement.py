@@ -1,11 +1,8 @@
-"""What collective agreement (tf_poseidon/comm/agreement.py) costs (docs/failures.md): one check
-alone, and a training step with and without the checks.
-
-On this machine's loopback (tfposeidon-run): one job times 2000 checks of a 4-bucket gradient
-signature after 50 warm-ups (the slowest rank's mean); then Keras fit of an MLP of three
-Dense(--width) layers at --batch rows per rank, with the checks and with them replaced by a
-no-op (worker --no-agreement), --rounds times interleaved. Prints the check's time, each
-round's step times (the slowest rank's) and the median ratio with / without.
+"""What collective agreement (tf_poseidon/comm/agreement.py) costs (docs/failures.md): one job
+times 2000 checks of a 4-bucket gradient signature (the slowest rank's mean); then Keras fit of
+an MLP of three Dense(--width) layers with the checks and with them replaced by a no-op, --rounds
+times interleaved, on this machine's loopback. Prints the check's time, each round's step times
+and the median ratio with / without.
 """
 
 import statistics
@@ -17,8 +14,8 @@ from benchmarks import report, runner
 def measure(args, bench: runner.Bench) -> dict:
     model = runner.model_args(args) | {"layers": 3}
     with bench.hosts(args.ranks) as cluster:
-        check = bench.repeat(cluster, {"2000 checks": runner.Job(
-            "agreement", args.ranks, {"repeats": 2000}, launch="launcher")})["2000 checks"][0]
+        [check] = bench.repeat(cluster, {"2000 checks": runner.Job(
+            "agreement", args.ranks, {"repeats": 2000}, launch="launcher")})["2000 checks"]
         on, off = bench.repeat(cluster, {
             "checks on": runner.Job("poseidon", args.ranks, model),
             "checks off": runner.Job("poseidon", args.ranks, model | {"no_agreement": True})},

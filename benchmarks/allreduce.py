@@ -1,14 +1,11 @@
 """All-reduce times between emulated hosts: Open MPI's own (docs/cluster.md) and through
-tf_poseidon's codecs (docs/compression.md).
-
-Per bandwidth ("none": unshaped) a cluster of --hosts hosts (--loopback: 2 ranks on one
-namespace's shaped ``lo``) runs one job that, per codec and after warm-ups, times --repeats
-all-reduces of --megabytes MiB of float32 and --small-repeats of 1 KB, each after a barrier.
-``mpi``: mpi4py's ``Allreduce`` in ranks that never import tf_poseidon, under plain ``mpirun``
-(--bind-to); a codec name: the engine's all-reduce through that codec, under tfposeidon-run.
-Prints per codec the slowest rank's median and best time, the speed-up over the first codec,
-the bytes each rank sends and their time at the link rate (the floor), and the 1 KB median.
-A benchmark, not a test.
+tf_poseidon's codecs (docs/compression.md). Per bandwidth ("none": unshaped) a cluster of
+--hosts hosts (--loopback: 2 ranks on one namespace's shaped ``lo``) times, per codec and after
+warm-ups, --repeats all-reduces of --megabytes MiB of float32 and --small-repeats of 1 KB, each
+after a barrier. ``mpi``: mpi4py's ``Allreduce`` under plain ``mpirun`` (--bind-to); a codec
+name: the engine's all-reduce through it, under tfposeidon-run. Prints per codec the slowest
+rank's median and best time, the speed-up over the first codec, the bytes each rank sends and
+their time at the link rate (the floor), and the 1 KB median.
 """
 
 import statistics
@@ -27,27 +24,25 @@ def measure(args, bench: runner.Bench) -> dict:
            "megabytes": args.megabytes, "rows": []}
     for bandwidth in args.bandwidth:
         with bench.hosts(ranks, bandwidth, shared_lo=args.loopback) as cluster:
-            ranks_times = [r["allreduce"] for r in bench.repeat(
-                cluster, {f"{bandwidth}": job})[bandwidth][0]["per_rank"]]
+            [result] = bench.repeat(cluster, {bandwidth: job})[bandwidth]
+        times = [r["allreduce"] for r in result["per_rank"]]
         out["rows"] += [{"bandwidth": bandwidth, "codec": codec} | {  # the slowest rank's
-            key: [max(x) for x in zip(*(t[codec][key] for t in ranks_times))]
+            key: [max(x) for x in zip(*(t[codec][key] for t in times))]
             for key in ("big_s", "small_s")} for codec in args.codecs]
     return out
 
 
 def table(results: dict) -> list[str]:
     from tf_poseidon.comm import codecs
-    elements, first = int(results["megabytes"] * 2**20) // 4, {}
-    rows = []
+    elements, rows, first = int(results["megabytes"] * 2**20) // 4, [], {}
     for r in results["rows"]:
-        median = first.setdefault((r["bandwidth"], r["codec"]), statistics.median(r["big_s"]))
-        base = first[next(k for k in first if k[0] == r["bandwidth"])]
+        median = statistics.median(r["big_s"])
         sent = codecs.get("none" if r["codec"] == "mpi" else r["codec"]).wire_bytes(
             elements, results["ranks"])[0]
         link = report.rate_bits(None if r["bandwidth"] == "none" else r["bandwidth"])
         rows.append([r["bandwidth"], r["codec"], f"{median:.3f}", f"{min(r['big_s']):.3f}",
-                     f"{base / median:.2f}×", f"{sent / 1e6:.1f}",
-                     f"{8 * sent / link:.3f}" if link else "—",
+                     f"{first.setdefault(r['bandwidth'], median) / median:.2f}×",
+                     f"{sent / 1e6:.1f}", f"{8 * sent / link:.3f}" if link else "—",
                      f"{1e3 * statistics.median(r['small_s']):.3f}" if r["small_s"] else "—"])
     return [f"{results['where']}, one all-reduce of {results['megabytes']:g} MiB of float32 "
             "(slowest rank: median, best) and of 1 KB (median)", "", *report.table(

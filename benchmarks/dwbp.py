@@ -1,12 +1,10 @@
 """Wait-free backprop (overlap=True) against communicating after the backward pass
-(docs/dwbp.md).
-
-On 2 emulated hosts Keras fit trains an MLP of --layers Dense(--width) whose gradient
-all-reduce takes about as long as its backward pass. Per bucket size, overlap=True and
-overlap=False run --repeats times, interleaved; one process alone gives the compute-only step.
-Prints per bucket the median step time (rank 0's timed steps, then the median over the
+(docs/dwbp.md). On 2 emulated hosts Keras fit trains an MLP of --layers Dense(--width) whose
+gradient all-reduce takes about as long as its backward pass; per bucket size overlap=True and
+overlap=False run --repeats times, interleaved, and one process alone gives the compute-only
+step. Prints per bucket the median step time (rank 0's timed steps, then the median over the
 repeats), overlap / naive, the communication time per step and the fraction of it hidden behind
-the backward pass (strategy.stats()). A benchmark, not a test.
+the backward pass (strategy.stats()).
 """
 
 import statistics
@@ -15,29 +13,25 @@ import sys
 from benchmarks import report, runner
 
 
-def median_step(runs: list[dict]) -> float:
-    return statistics.median(statistics.median(r["per_rank"][0]["step_times_s"]) for r in runs)
-
-
 def measure(args, bench: runner.Bench) -> dict:
-    model, out = runner.model_args(args), {"bandwidth": args.bandwidth, "buckets": []}
+    model, jobs = runner.model_args(args), {"one process": runner.Job("single", 1,
+                                                                      runner.model_args(args))}
+    for mb in args.bucket_mb:
+        options = {"bucket_bytes": int(mb * 2**20)}
+        jobs[f"{mb:g} MB, overlap"] = runner.Job("poseidon", 2, model, options)
+        jobs[f"{mb:g} MB, overlap=False"] = runner.Job("poseidon", 2, model,
+                                                       options | {"overlap": False})
     with bench.hosts(2, args.bandwidth) as cluster:
-        single = bench.repeat(cluster, {"one process": runner.Job("single", 1, model)},
-                              args.repeats)
-        out["single_s"] = median_step(single["one process"])
-        for mb in args.bucket_mb:
-            options = {"bucket_bytes": int(mb * 2**20)}
-            overlap, naive = bench.repeat(cluster, {
-                f"{mb:g} MB, overlap": runner.Job("poseidon", 2, model, options),
-                f"{mb:g} MB, overlap=False": runner.Job("poseidon", 2, model,
-                                                        options | {"overlap": False})},
-                args.repeats).values()
-            stats = [r["per_rank"][0]["poseidon_stats"] for r in overlap]
-            out["buckets"].append({
-                "bucket_mb": mb, "overlap_s": median_step(overlap), "naive_s": median_step(naive),
-                "hidden": statistics.median(s["hidden_fraction"] for s in stats),
-                "comm_s": stats[-1]["comm_time_s"]})
-    return out
+        runs = bench.repeat(cluster, jobs, args.repeats)
+    step = {name: statistics.median(statistics.median(r["per_rank"][0]["step_times_s"])
+                                    for r in results) for name, results in runs.items()}
+    stats = {mb: [r["per_rank"][0]["poseidon_stats"] for r in runs[f"{mb:g} MB, overlap"]]
+             for mb in args.bucket_mb}
+    return {"bandwidth": args.bandwidth, "single_s": step["one process"], "buckets": [{
+        "bucket_mb": mb, "overlap_s": step[f"{mb:g} MB, overlap"],
+        "naive_s": step[f"{mb:g} MB, overlap=False"], "comm_s": stats[mb][-1]["comm_time_s"],
+        "hidden": statistics.median(s["hidden_fraction"] for s in stats[mb])}
+        for mb in args.bucket_mb]}
 
 
 def table(results: dict) -> list[str]:

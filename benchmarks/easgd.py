@@ -1,17 +1,16 @@
 """EASGD's communication and throughput against sync mode; async EASGD with a slow rank
 (docs/easgd.md).
 
-On emulated hosts Keras fit trains an MLP in sync mode and in both EASGD forms for each τ
-(α = 0.9/hosts). Per configuration and rank: bytes sent per step of fit (the engine's records,
-and async EASGD's exchange counters, rank 0's with the center holder's replies), its mean step
-and samples/s over its own timed steps, and the throughput against sync mode with every
-gradient all-reduced (sfb="never"; the defaults are shown too). Then async EASGD (τ = the
-middle one of --taus) runs with one rank slowed 3× — it waits twice its unslowed mean step
-before each step — once the last rank and once rank 0, which also holds the center, in
---slow-repeats rounds that each also run it unslowed; the other ranks' samples/s are compared
-with the same round's unslowed run (goal: ≥ 0.90). The same slowdown under sync mode and
-synchronous EASGD shows what waiting for the slowest rank costs. With --repeats R a row shows
-the run whose slowest rank is the median. A benchmark, not a test.
+On emulated hosts Keras fit trains an MLP in sync mode (sfb="never": every gradient
+all-reduced; and with its defaults) and in both EASGD forms for each τ of --taus (α = 0.9/hosts).
+Per configuration and rank: bytes sent per step of fit (the engine's records, and async EASGD's
+exchange counters, rank 0's with the center holder's replies), mean step and samples/s over its
+own timed steps, and the throughput against sync mode with sfb="never". Then async EASGD (τ =
+the middle one of --taus) runs with one rank slowed 3× (it sleeps twice its unslowed mean step
+before each step), once the last rank and once rank 0, which holds the center, in --slow-repeats
+rounds that each also run it unslowed: each other rank's samples/s against the same round's
+unslowed run (goal ≥ 0.90). The same slowdown under sync mode and synchronous EASGD shows what
+waiting for the slowest rank costs.
 """
 
 import statistics
@@ -20,81 +19,74 @@ import sys
 from benchmarks import report, runner
 
 
-def per_rank(result: dict) -> list[dict]:
-    """Each rank's own figures: bytes sent per step of fit, mean step, samples/s."""
-    out = []
-    for r in result["per_rank"]:
-        sent, mode = r["engine_bytes_sent"], r.get("mode_stats") or {}
-        if mode.get("form") == "async":
-            sent += mode["bytes_sent"] + mode.get("served", {}).get("bytes_sent", 0)
-        out.append({"rank": r["rank"], "bytes_sent_per_step": sent / (r["warmup"] + r["steps"]),
-                    "mean_step_s": r["window_s"] / r["steps"],
-                    "samples_per_s": r["steps"] * r["batch"] / r["window_s"]})
-    return out
-
-
 def measure(args, bench: runner.Bench) -> dict:
     size, rows = args.hosts, []
-    alpha = round(0.9 / size, 3)
+    alpha, tau = round(0.9 / size, 3), args.taus[len(args.taus) // 2]
     sync, easgd = {"mode": "sync", "sfb": "never"}, {"mode": "easgd", "alpha": alpha}
+    async_ = easgd | {"tau": tau, "easgd_async": True}
 
     def run(name: str, options: dict, slowed: int | None = None, delay: float = 0.0):
-        slow = {} if slowed is None else {"straggler": slowed, "delay": f"{delay:.4f}"} | (
-            {"spin": True} if args.slow_kind == "spin" else {})
+        """Per rank: bytes sent per step of fit, mean step, samples/s."""
+        slow = {} if slowed is None else {"straggler": slowed, "delay": f"{delay:.4f}"}
         job = runner.Job("poseidon", size, runner.model_args(args) | slow, options)
-        runs = sorted(map(per_rank, bench.repeat(cluster, {name: job}, args.repeats)[name]),
-                      key=lambda ranks: min(r["samples_per_s"] for r in ranks))
-        rows.append({"name": name, "ranks": runs[len(runs) // 2]})
+        rows.append({"name": name, "ranks": []})
+        for r in bench.repeat(cluster, {name: job})[name][0]["per_rank"]:
+            mode, sent = r.get("mode_stats") or {}, r["engine_bytes_sent"]
+            if mode.get("form") == "async":
+                sent += mode["bytes_sent"] + mode.get("served", {}).get("bytes_sent", 0)
+            rows[-1]["ranks"].append({
+                "rank": r["rank"], "bytes_sent_per_step": sent / (r["warmup"] + r["steps"]),
+                "mean_step_s": r["window_s"] / r["steps"],
+                "samples_per_s": r["steps"] * r["batch"] / r["window_s"]})
         return rows[-1]["ranks"]
 
     with bench.hosts(size, args.bandwidth) as cluster:
         base = run("sync (sfb=never: every gradient all-reduced)", sync)
         run("sync (defaults: sfb=auto)", {"mode": "sync"})
         unslowed = {}
-        for tau in args.taus:
-            run(f"easgd tau={tau}", easgd | {"tau": tau})
-            unslowed[tau] = run(f"easgd async tau={tau}", easgd | {"tau": tau,
-                                                                  "easgd_async": True})
-        tau = args.taus[len(args.taus) // 2]
-        async_ = easgd | {"tau": tau, "easgd_async": True}
+        for t in args.taus:
+            run(f"easgd tau={t}", easgd | {"tau": t})
+            unslowed[t] = run(f"easgd async tau={t}", easgd | {"tau": t, "easgd_async": True})
+        slow_s = {r: 2 * unslowed[tau][r]["mean_step_s"] for r in (size - 1, 0)}
         # Each round runs the unslowed job next to the slowed ones, so the machine's drifting
         # load hits them alike; the ratio is taken within a round, then the median.
-        slow_s = {r: 2 * unslowed[tau][r]["mean_step_s"] for r in (size - 1, 0)}
         ratios = {r: [] for r in slow_s}
         for round_ in range(1, args.slow_repeats + 1):
-            unslowed_run = run(f"easgd async tau={tau} (round {round_})", async_)
+            alone = run(f"easgd async tau={tau} (round {round_})", async_)
             for r in slow_s:
                 slowed = run(f"easgd async tau={tau}, rank {r} slowed 3x (round {round_})",
                              async_, r, slow_s[r])
                 ratios[r].append({o["rank"]: o["samples_per_s"] / b["samples_per_s"]
-                                  for o, b in zip(slowed, unslowed_run) if o["rank"] != r})
+                                  for o, b in zip(slowed, alone) if o["rank"] != r})
         last = size - 1
         run(f"sync (sfb=never), rank {last} slowed 3x", sync, last, 2 * base[last]["mean_step_s"])
         run(f"easgd tau={tau}, rank {last} slowed 3x", easgd | {"tau": tau}, last,
             2 * base[last]["mean_step_s"])
     return {"hosts": size, "bandwidth": args.bandwidth, "alpha": alpha, "tau": tau,
-            "slow_kind": args.slow_kind, "rows": rows, "slow_s": slow_s, "ratios": ratios}
+            "rows": rows, "slow_s": slow_s, "ratios": ratios}
 
 
 def table(results: dict) -> list[str]:
-    rate = lambda ranks, f: f(r["samples_per_s"] for r in ranks)  # noqa: E731
-    each = lambda ranks, key, fmt, scale=1: " / ".join(  # noqa: E731
-        f"{r[key] / scale:{fmt}}" for r in ranks)
+    def each(ranks, key, fmt, scale=1):
+        return " / ".join(f"{r[key] / scale:{fmt}}" for r in ranks)
+
     base = results["rows"][0]["ranks"]
+    vs_sync = lambda ranks, f: f(r["samples_per_s"] for r in ranks) / f(  # noqa: E731
+        r["samples_per_s"] for r in base)
     slowed = [[f"{r}{' (holds the center)' if str(r) == '0' else ''}",
                f"{results['slow_s'][r]:.3f}", "; ".join(
                    f"rank {o}: {statistics.median(x[o] for x in rounds):.2f} ("
                    + ", ".join(f"{x[o]:.2f}" for x in rounds) + ")" for o in sorted(rounds[0]))]
               for r, rounds in results["ratios"].items()]
     return [f"{results['hosts']} emulated hosts at {results['bandwidth']}, alpha = "
-            f"{results['alpha']}, slowdown by {results['slow_kind']}", "", *report.table(
+            f"{results['alpha']}", "", *report.table(
                 ["configuration", "MB sent per step (per rank)", "mean step (s) per rank",
                  "samples/s per rank", "all ranks' samples/s vs sync", "slowest rank vs sync"],
                 [[row["name"], each(row["ranks"], "bytes_sent_per_step", ".2f", 1e6),
                   each(row["ranks"], "mean_step_s", ".3f"),
                   each(row["ranks"], "samples_per_s", ".1f"),
-                  f"{rate(row['ranks'], sum) / rate(base, sum):.2f}",
-                  f"{rate(row['ranks'], min) / rate(base, min):.2f}"] for row in results["rows"]]),
+                  f"{vs_sync(row['ranks'], sum):.2f}", f"{vs_sync(row['ranks'], min):.2f}"]
+                 for row in results["rows"]]),
             "", f"Async EASGD, tau={results['tau']}, one rank slowed 3x: each other rank's "
             "samples/s in the slowed run as a fraction of its samples/s in the same round's "
             "unslowed run; median over the rounds, then every round (goal >= 0.90)", "",
@@ -103,7 +95,6 @@ def table(results: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(runner.feature_main(
-        __doc__, measure, table, choices={"slow_kind": ["sleep", "spin"]}, hosts=2,
-        bandwidth="1gbit", repeats=1, taus=[1, 4, 16], slow_repeats=3, slow_kind="sleep",
-        width=1024, layers=4, batch=64, warmup=4, steps=48))
+    sys.exit(runner.feature_main(__doc__, measure, table, hosts=2, bandwidth="1gbit",
+                                 taus=[1, 4, 16], slow_repeats=3, width=1024, layers=4, batch=64,
+                                 warmup=4, steps=48))

@@ -4,8 +4,6 @@
 same 100 MB; (b) sfb_reconstruct against ``tf.matmul(U, V, transpose_a=True)`` for the VGG
 head's shapes. Candidates run interleaved (A, B, A, B, ...) after a warm-up call each; the
 tables give the best and median wall time and the median CPU time of the process per call.
-
-    python -m benchmarks.kernels [--repeats 15] [--intra-op-threads N]
 """
 
 import argparse
@@ -28,9 +26,10 @@ def timings(candidates: dict, repeats: int) -> dict[str, tuple[float, float, flo
         for name, fn in candidates.items():
             cpu, wall = time.process_time(), time.perf_counter()
             fn()
-            runs[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    return {name: (1e3 * min(w for w, _ in r), 1e3 * float(np.median([w for w, _ in r])),
-                   1e3 * float(np.median([c for _, c in r]))) for name, r in runs.items()}
+            runs[name].append((1e3 * (time.perf_counter() - wall),
+                               1e3 * (time.process_time() - cpu)))
+    return {name: (min(w for w, _ in r), np.median([w for w, _ in r]),
+                   np.median([c for _, c in r])) for name, r in runs.items()}
 
 
 def pack_unpack(tf, ops, repeats: int) -> list[str]:
@@ -53,13 +52,13 @@ def pack_unpack(tf, ops, repeats: int) -> list[str]:
         "composite pack+unpack, eager": (composite, 3.0),
         "composite pack+unpack, tf.function": (tf.function(composite), 3.0)}
     times = timings({name: call for name, (call, _) in candidates.items()}, repeats)
-    memcpy = 2.0 * nbytes / times["memcpy (numpy copy, 1 thread)"][0]
+    rate = {name: traffic * nbytes / times[name][0] / 1e6  # GB/s, as ms are 1e-3 s
+            for name, (_, traffic) in candidates.items()}
     composite_ms = min(times[f"composite pack+unpack, {m}"][0] for m in ("eager", "tf.function"))
-    rows = [[name, *(f"{t:.1f}" for t in times[name]),
-             f"{traffic * nbytes / times[name][0] / 1e6:.1f}",
-             f"{100 * traffic * nbytes / times[name][0] / memcpy:.0f}%",
+    rows = [[name, *(f"{t:.1f}" for t in times[name]), f"{rate[name]:.1f}",
+             f"{100 * rate[name] / rate['memcpy (numpy copy, 1 thread)']:.0f}%",
              f"{composite_ms / times[name][0]:.2f}" if "pack+unpack" in name else ""]
-            for name, (_, traffic) in candidates.items()]
+            for name in candidates]
     return [f"(a) pack + unpack, 50 float32 tensors, {nbytes / 1e6:.0f} MB, float16 wire, "
             "scale 1/64", "", *table(["candidate", "best ms", "median ms", "CPU ms",
                                       "GB/s (read+write, best)", "% of memcpy GB/s",
@@ -78,8 +77,7 @@ def sfb(tf, ops, repeats: int) -> list[str]:
                 ("float16 (tf: cast, then matmul)", lambda: tf.matmul(
                     tf.cast(u16, tf.float32), tf.cast(v16, tf.float32), transpose_a=True),
                  lambda: ops.sfb_reconstruct(u16, v16))]:
-            times = timings({"tf": reference, "compiled": compiled}, repeats)
-            ref, ours = times["tf"], times["compiled"]
+            ref, ours = timings({"tf": reference, "compiled": compiled}, repeats).values()
             rows.append([f"{r}, {m}, {n}", inputs, " / ".join(f"{x:.1f}" for x in ref),
                          " / ".join(f"{x:.1f}" for x in ours), f"{ours[0] / ref[0]:.2f}",
                          f"{ours[2] / ref[2]:.2f}"])
@@ -90,7 +88,7 @@ def sfb(tf, ops, repeats: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per candidate")
     parser.add_argument("--intra-op-threads", type=int, default=0,
                         help="TensorFlow's intra-op threads (0: default)")

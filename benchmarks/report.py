@@ -1,13 +1,8 @@
 """The suite's configurations, and a run turned into tables, goals, the results block of
-docs/benchmarks.md and its chart: pure functions of the run dict the suite saves as JSON
-(``python -m benchmarks.suite --report-only RUN.json`` rebuilds them)::
-
-    {"command", "started", "finished", "status": "running" | "complete" | "interrupted",
-     "settings", "environment", "emulation", "results": [result, ...]}
-
-with one result per (model, config, ranks, bandwidth): ``status`` ("ok", "not available",
-"failed", "timed out", "interrupted", "not run"), ``message``, and when ok the figures of
-benchmarks.runner.aggregate. docs/benchmarks.md defines the derived figures.
+docs/benchmarks.md and its chart: pure functions of the run the suite saves as JSON
+(``{"command", "started", "finished", "status", "settings", "environment", "emulation",
+"results"}``), one result per (model, config, ranks, bandwidth) with ``status``, ``message``
+and, when "ok", benchmarks.runner.aggregate's figures. docs/benchmarks.md defines the figures.
 """
 
 import dataclasses
@@ -16,10 +11,8 @@ import re
 
 from benchmarks.models import MODELS
 
-GOAL_VS_MWMS_FC = 5.0
-GOAL_VS_MWMS_CNN = 2.0
-GOAL_VS_ONE_PROCESS_2_HOSTS = 1.7
-GOAL_STEP_OVER_COMPUTE = 1.2
+GOAL_VS_MWMS_FC, GOAL_VS_MWMS_CNN = 5.0, 2.0
+GOAL_VS_ONE_PROCESS_2_HOSTS, GOAL_STEP_OVER_COMPUTE = 1.7, 1.2
 BEGIN = "<!-- results: written by `python -m benchmarks.suite`; rerun it, do not edit by hand -->"
 END = "<!-- end of results -->"
 
@@ -48,8 +41,8 @@ CONFIGS = [
     Config("naive", "tf_poseidon sync, overlap=False, fp32 (naive)", "poseidon",
            {"overlap": False, "sfb": "never"}),
     Config("dwbp", "tf_poseidon sync + DWBP (overlap=True)", "poseidon", {"sfb": "never"}),
-    Config("fp16", "DWBP + compression='fp16'", "poseidon", {"compression": "fp16",
-                                                             "sfb": "never"}),
+    Config("fp16", "DWBP + compression='fp16'", "poseidon",
+           {"compression": "fp16", "sfb": "never"}),
     Config("sfb", "DWBP + sfb='auto' (PoseidonStrategy() defaults)", "poseidon"),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
            {"compression": "fp16"}),
@@ -65,8 +58,8 @@ CONFIGS = [
            {"mode": "easgd", "tau": 4, "alpha": "0.9/P"}),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kibit": 2**10,
-          "mibit": 2**20, "gibit": 2**30, "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8, "kbps": 8e3,
+          "mbps": 8e6, "gbps": 8e9}
 
 
 def rate_bits(rate: str | None) -> float | None:
@@ -86,17 +79,12 @@ def _title(model: str) -> str:
     return MODELS[model].title if model in MODELS else model
 
 
-def _kind(config: str) -> str:
-    return CONFIG_BY_NAME[config].kind if config in CONFIG_BY_NAME else ""
-
-
 def _ok(r: dict | None) -> bool:
     return r is not None and r.get("status") == "ok" and bool(r.get("samples_per_s"))
 
 
 def _place(model: str, ranks: int, bandwidth: str | None) -> tuple:
-    """Where a (model, ranks, bandwidth) goes in the tables: models.py's order, fewer ranks,
-    slower links first."""
+    """Table order: models.py's order, fewer ranks, slower links first."""
     return list(MODELS).index(model) if model in MODELS else 99, ranks, rate_bits(bandwidth) or 0
 
 
@@ -116,26 +104,24 @@ def busiest(r: dict | None) -> float | None:
 def derive(results: list[dict]) -> list[dict]:
     """Each result with ``compute_s`` (the one-process step), ``overhead`` (step ÷ compute_s),
     ``vs_mwms``, ``vs_one_process`` (samples/s ratios), ``wire_bytes_per_step`` (the busiest
-    host's), ``floor_s`` (max(compute_s, wire bytes ÷ link rate)) and ``notes``; sorted by
-    model, ranks, bandwidth, configuration."""
-    rows = []
+    host's), ``floor_s`` (max(compute_s, wire bytes ÷ link rate)), ``kind`` (the
+    configuration's) and ``notes``; sorted by model, ranks, bandwidth, configuration."""
+    rows, order = [], list(CONFIG_BY_NAME)
     for r in results:
         single = find(results, r["model"], "single")
         mwms = find(results, r["model"], "mwms", r["ranks"], r["bandwidth"])
-        compute_s, wire, bits, ok = single["step_s"] if _ok(single) else None, busiest(r), \
-            rate_bits(r["bandwidth"]), _ok(r)
-        wire_s = wire * 8 / bits if wire is not None and bits else None
+        kind = CONFIG_BY_NAME[r["config"]].kind if r["config"] in CONFIG_BY_NAME else ""
+        compute_s = single["step_s"] if _ok(single) else None
+        wire, bits, ok = busiest(r), rate_bits(r["bandwidth"]), _ok(r)
+        floor = [s for s in (compute_s, wire and bits and wire * 8 / bits) if s is not None]
         rows.append({
-            **r, "compute_s": compute_s, "wire_bytes_per_step": wire,
+            **r, "compute_s": compute_s, "wire_bytes_per_step": wire, "kind": kind,
             "overhead": r["step_s"] / compute_s if ok and compute_s else None,
             "vs_mwms": r["samples_per_s"] / mwms["samples_per_s"]
-            if _kind(r["config"]) in ("mwms", "poseidon") and ok and _ok(mwms) else None,
+            if kind in ("mwms", "poseidon") and ok and _ok(mwms) else None,
             "vs_one_process": r["samples_per_s"] / single["samples_per_s"]
             if ok and _ok(single) else None,
-            "floor_s": max((p for p in (compute_s, wire_s) if p is not None), default=None)
-            if ok else None,
-            "notes": _notes(results, r, wire)})
-    order = [c.name for c in CONFIGS]
+            "floor_s": max(floor) if ok and floor else None, "notes": _notes(results, r, wire)})
     return sorted(rows, key=lambda r: (*_place(r["model"], r["ranks"], r["bandwidth"]),
                                        order.index(r["config"]) if r["config"] in order else 99))
 
@@ -154,11 +140,10 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
     if r["status"] != "ok":
         return _failure(r)
     notes, dwbp = [], find(results, r["model"], "dwbp", r["ranks"], r["bandwidth"])
-    base = busiest(dwbp) if _ok(dwbp) else None
+    base, single = busiest(dwbp) if _ok(dwbp) else None, find(results, r["model"], "single")
     if wire is not None and base and r["config"] in ("fp16", "sfb", "fp16+sfb"):
         notes.append(f"sends {wire / base:.0%} of DWBP's bytes"
                      + (": the option saved no traffic" if wire / base > 0.97 else ""))
-    single = find(results, r["model"], "single")
     if r["ranks"] > 1 and _ok(single) and r["config"] != "concurrent" \
             and r["step_s"] < single["step_s"]:
         notes.append("faster than the compute-only step: load changed between the two "
@@ -167,30 +152,28 @@ def _notes(results: list[dict], r: dict, wire: float | None) -> str:
     if tau and r.get("steps") and r["steps"] % tau:
         notes.append(f"{r['steps']} timed steps are not whole periods of tau={tau}: wire "
                      "bytes and step time are not averaged over whole periods")
-    engine = ([f"{r['engine_bytes_per_step'] / 1e6:.1f} MB/step sent"]
-              if r.get("engine_bytes_per_step") is not None else []) + (
-        [f"{r['hidden_fraction']:.0%} of comm. overlapped"]
-        if r.get("hidden_fraction") is not None else [])
+    sent, hidden = r.get("engine_bytes_per_step"), r.get("hidden_fraction")
+    engine = ([] if sent is None else [f"{sent / 1e6:.1f} MB/step sent"]) + (
+        [] if hidden is None else [f"{hidden:.0%} of comm. overlapped"])
     return "; ".join(notes + (["tf_poseidon stats: " + ", ".join(engine)] if engine else []))
 
 
 def goals(rows: list[dict]) -> list[dict]:
-    """Per measured (model, ranks > 1, bandwidth): the best tf_poseidon configuration (most
-    samples/s) and its ratios against MWMS, one process, P processes without communication,
-    the compute-only step and the floor; each goal with met True/False (None: no figure or no
-    goal)."""
+    """Per (model, ranks > 1, bandwidth) of :func:`derive`'s rows: the best tf_poseidon
+    configuration (most samples/s), its ratios against MWMS, one process, P processes without
+    communication, the compute-only step and the floor, and per goal ``met_<ratio>``: True,
+    False, or None (no figure or no goal)."""
     out = []
     for model, ranks, bw in sorted({(r["model"], r["ranks"], r["bandwidth"]) for r in rows
                                     if r["ranks"] > 1}, key=lambda c: _place(*c)):
         best = max((r for r in rows if (r["model"], r["ranks"], r["bandwidth"]) == (
-            model, ranks, bw) and _ok(r) and _kind(r["config"]) == "poseidon"),
+            model, ranks, bw) and _ok(r) and r["kind"] == "poseidon"),
             key=lambda r: r["samples_per_s"], default={})
         concurrent = find(rows, model, "concurrent", ranks, bw)
         g = {"model": model, "ranks": ranks, "bandwidth": bw, "best": best.get("config"),
              "best_samples_per_s": best.get("samples_per_s"), "vs_mwms": best.get("vs_mwms"),
              "goal_vs_mwms": GOAL_VS_MWMS_FC if model in MODELS and MODELS[model].fc_heavy
-             else GOAL_VS_MWMS_CNN,
-             "vs_one_process": best.get("vs_one_process"),
+             else GOAL_VS_MWMS_CNN, "vs_one_process": best.get("vs_one_process"),
              "goal_vs_one_process": GOAL_VS_ONE_PROCESS_2_HOSTS if ranks == 2 else None,
              "overhead": best.get("overhead"), "goal_overhead": GOAL_STEP_OVER_COMPUTE,
              "over_floor": best["step_s"] / best["floor_s"] if best.get("floor_s") else None,
@@ -198,8 +181,7 @@ def goals(rows: list[dict]) -> list[dict]:
              if best and _ok(concurrent) else None}
         for key, sense in (("vs_mwms", 1), ("vs_one_process", 1), ("overhead", -1)):
             value, goal = g[key], g[f"goal_{key}"]
-            g[f"met_{key}"] = None if value is None or goal is None else sense * (
-                value - goal) >= 0
+            g[f"met_{key}"] = None if None in (value, goal) else sense * (value - goal) >= 0
         out.append(g)
     return out
 
@@ -210,44 +192,38 @@ def _num(value, fmt: str, suffix: str = "") -> str:
 
 def _goal(g: dict, key: str, sense: str) -> str:
     value, goal, met = g[key], g[f"goal_{key}"], g[f"met_{key}"]
-    if value is None:
-        return "not measured"
-    return f"{value:.2f}× " + ("(no goal)" if goal is None else
-                               f"(goal {sense} {goal:g}×: {'met' if met else 'NOT met'})")
+    return "not measured" if value is None else f"{value:.2f}× " + (
+        "(no goal)" if goal is None else f"(goal {sense} {goal:g}×: "
+                                         f"{'met' if met else 'NOT met'})")
 
 
-def result_table(rows: list[dict], markdown: bool = True) -> list[str]:
-    """The results as table lines (markdown, or aligned plain text for the console)."""
+def result_table(rows: list[dict]) -> list[str]:
+    """:func:`derive`'s rows as a table."""
     return table(["model", "hosts × link", "configuration", "samples/s", "step s",
-                   "× compute", "× MWMS", "wire MB/step", "floor s", "load", "notes"], [
+                  "× compute", "× MWMS", "wire MB/step", "floor s", "load", "notes"], [
         [_title(r["model"]), link_label(r["bandwidth"], r["ranks"]), r["config"],
          _num(r.get("samples_per_s"), ".1f"), _num(r.get("step_s"), ".3f"),
          _num(r["overhead"], ".2f", "×"), _num(r["vs_mwms"], ".2f", "×"),
          _num(r["wire_bytes_per_step"] and r["wire_bytes_per_step"] / 1e6, ".1f"),
-         _num(r["floor_s"], ".3f"), _num(r.get("loadavg"), ".1f"), r["notes"]] for r in rows],
-        markdown)
+         _num(r["floor_s"], ".3f"), _num(r.get("loadavg"), ".1f"), r["notes"]] for r in rows])
 
 
-def goal_table(goal_rows: list[dict], markdown: bool = True) -> list[str]:
+def goal_table(goal_rows: list[dict]) -> list[str]:
+    """:func:`goals` as a table."""
     return table(["model", "hosts × link", "best tf_poseidon", "samples/s", "vs MWMS",
-                   "vs one process", "vs P processes, no comm.", "step ÷ compute-only step",
-                   "step ÷ floor"], [
-        [_title(g["model"]), link_label(g["bandwidth"], g["ranks"]), g["best"] or
-         "none measured", _num(g["best_samples_per_s"], ".1f"), _goal(g, "vs_mwms", "≥"),
-         _goal(g, "vs_one_process", "≥"), _num(g["vs_concurrent"], ".2f", "×"),
-         _goal(g, "overhead", "≤"), _num(g["over_floor"], ".2f", "×")] for g in goal_rows],
-        markdown)
+                  "vs one process", "vs P processes, no comm.", "step ÷ compute-only step",
+                  "step ÷ floor"], [
+        [_title(g["model"]), link_label(g["bandwidth"], g["ranks"]),
+         g["best"] or "none measured", _num(g["best_samples_per_s"], ".1f"),
+         _goal(g, "vs_mwms", "≥"), _goal(g, "vs_one_process", "≥"),
+         _num(g["vs_concurrent"], ".2f", "×"), _goal(g, "overhead", "≤"),
+         _num(g["over_floor"], ".2f", "×")] for g in goal_rows])
 
 
-def table(head: list[str], body: list[list], markdown: bool = True) -> list[str]:
-    """The lines of a table (every benchmark's): markdown (a ``|`` in a cell escaped), or
-    aligned plain text for the console; a cell is shown by str()."""
-    if markdown:
-        return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + [
-            "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in body]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa
-    return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
+def table(head: list[str], body: list[list]) -> list[str]:
+    """The lines of a markdown table (every benchmark's); cells shown by str(), ``|`` escaped."""
+    return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + [
+        "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in body]
 
 
 def markdown(run: dict) -> str:
@@ -324,8 +300,7 @@ def chart(run: dict, path: str) -> None:
         top = max([r["samples_per_s"] for r in mine if _ok(r)] or [1.0])
         for j, (ranks, bw) in enumerate(combos):
             for i, r in enumerate(find(mine, model, name, ranks, bw) for name in names):
-                x, value = j + (i - (len(names) - 1) / 2) * width, r and _ok(r) and r[
-                    "samples_per_s"]
+                x, value = j + (i - (len(names) - 1) / 2) * width, _ok(r) and r["samples_per_s"]
                 if r is not None:
                     ax.bar(x, value, width, color=f"C{i}", label=None if j else names[i])
                     ax.annotate(f"{value:.1f}" if value else r["status"], (x, value or top / 50),

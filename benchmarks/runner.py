@@ -1,10 +1,7 @@
-"""Runs benchmark jobs: the hosts, the launch of every rank of benchmarks/worker.py, the ranks'
-result files, repeats and timeouts; and the command line of the per-feature benchmarks.
-
-Hosts (:meth:`Bench.hosts`): a tf_poseidon.testing.EmulatedCluster (one network namespace per rank,
-links shaped with tc, real multi-host ``mpirun`` over TCP; needs root) or :class:`Loopback`
-(``--no-netns``, or where namespaces cannot be built): the ranks unshaped on this machine.
-Both are context managers whose exit kills what they started.
+"""Runs benchmark jobs: every rank of benchmarks/worker.py on emulated hosts
+(tf_poseidon.testing.EmulatedCluster: a network namespace per host, links shaped with tc, real
+multi-host ``mpirun``; needs root) or unshaped on this machine (:class:`Loopback`), their result
+files, repeats and timeouts; and the command line of the per-feature benchmarks.
 """
 
 import argparse
@@ -20,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from benchmarks import report
@@ -36,17 +32,7 @@ class Loopback:
     """EmulatedCluster's interface for ``ranks`` unshaped processes on this machine."""
 
     def __init__(self, ranks: int):
-        self.hosts, self._procs = ["localhost"] * ranks, []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        self.hosts = ["localhost"] * ranks
 
     def mpirun_args(self, slots_per_host: int = 1) -> list[str]:
         from tf_poseidon.launcher import find_mpirun
@@ -57,16 +43,19 @@ class Loopback:
         return ["-np", str(len(self.hosts))]
 
     def run(self, argv: list[str], *, timeout: float, env: dict) -> subprocess.CompletedProcess:
-        """Runs ``argv`` (its own process group) to its exit; on timeout kills the group and
-        raises TimeoutExpired with the output so far."""
+        """As EmulatedCluster.run: on timeout (TimeoutExpired, with the output) or an exception
+        such as KeyboardInterrupt, everything ``argv`` started is killed first."""
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, **env}, start_new_session=True)
-        self._procs.append(proc)
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.__exit__()
-            raise subprocess.TimeoutExpired(argv, timeout, *proc.communicate()) from None
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+            raise
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
@@ -140,12 +129,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lines(path: str) -> list[str]:
-    with contextlib.suppress(OSError), open(path) as f:
-        return f.read().splitlines()
-    return []
-
-
 def error_line(log: str) -> str:
     """A failed job's most telling output line: the first Python exception line (the rank
     that failed first prints it first), else the last line mentioning an error or a kill,
@@ -158,13 +141,13 @@ def error_line(log: str) -> str:
 
 
 def aggregate(per_rank: list[dict]) -> dict:
-    """A training job's figures from its ranks' results: ``samples_per_s`` of all ranks (all
-    timed samples over the slowest rank's window: a rank running ahead, as SSP and EASGD allow,
-    counts for no more than the job finishes), ``span_samples_per_s`` (the same samples over
-    the latest end minus the earliest start: one machine's monotonic clock), ``step_s`` (the
-    slowest rank's window over its steps), ``step_median_s`` (the largest of the ranks' median
-    steps), wire bytes per timed step per host, and tf_poseidon's bytes per step (the busiest
-    rank's) and overlapped share of communication (the ranks' mean)."""
+    """A training job's figures from its ranks' results: ``samples_per_s`` (all ranks' timed
+    samples over the slowest rank's window: a rank running ahead, as SSP and EASGD allow,
+    counts for no more than the job finishes), ``span_samples_per_s`` (the same samples from
+    the earliest start to the latest end), ``step_s`` (the slowest rank's window over its
+    steps), ``step_median_s`` (the largest of the ranks' median steps), each host's
+    ``tx_bytes_per_step`` (None: no counter), and tf_poseidon's ``engine_bytes_per_step`` (the
+    busiest rank's) and ``hidden_fraction`` of communication (the ranks' mean)."""
     per_rank = sorted(per_rank, key=lambda r: r["rank"])
     slowest = max(per_rank, key=lambda r: r["window_s"])
     samples = sum(r["batch"] * r["steps"] for r in per_rank)
@@ -177,8 +160,8 @@ def aggregate(per_rank: list[dict]) -> dict:
             "step_median_s": max(statistics.median(r["step_times_s"]) for r in per_rank),
             "steps": per_rank[0]["steps"], "hosts": [r["host"] for r in per_rank],
             "loadavg": max(r["loadavg"] for r in per_rank),
-            **{f"{d}_bytes_per_step": [r[f"{d}_bytes"] / r["steps"] if f"{d}_bytes" in r
-                                       else None for r in per_rank] for d in ("tx", "rx")},
+            "tx_bytes_per_step": [r["tx_bytes"] / r["steps"] if "tx_bytes" in r else None
+                                  for r in per_rank],
             **({"engine_bytes_per_step": max((s["bytes_sent"] for s in stats
                                               if s.get("bytes_sent") is not None), default=None),
                 "hidden_fraction": statistics.fmean(hidden) if hidden else None}
@@ -187,86 +170,64 @@ def aggregate(per_rank: list[dict]) -> dict:
 
 class Bench:
     """How a benchmark runs its jobs: on emulated hosts if ``emulate`` (else unshaped on this
-    machine), each job for at most ``timeout`` seconds, its log and rank files in a new
-    directory of one ``tfp-bench-*`` directory made under ``logs`` (None: the system's
-    temporary directory), progress through ``say``."""
+    machine), each for at most ``timeout`` seconds, its log and rank files in a new directory
+    of a ``tfp-bench-*`` directory made under ``logs`` (None: the system's temporary one)."""
 
-    def __init__(self, emulate: bool, timeout: float, logs: str | None, say=print):
+    def __init__(self, emulate: bool, timeout: float, logs: str | None = None):
         if logs:
             os.makedirs(logs, exist_ok=True)
-        self.emulate, self.timeout, self.say = emulate, timeout, say
+        self.emulate, self.timeout = emulate, timeout
         self.logs = tempfile.mkdtemp(prefix="tfp-bench-", dir=logs)
 
     def hosts(self, ranks: int, bandwidth: str | None = None, shared_lo: bool = False):
-        """Where a job of ``ranks`` ranks runs (use with ``with``): ``ranks`` emulated hosts
-        at ``bandwidth`` (a tc rate; None or "none": unshaped), with ``shared_lo`` one
-        namespace's shaped ``lo`` (ShapedLoopback); :class:`Loopback` for one rank or when
-        not emulating."""
+        """A context manager of where a job of ``ranks`` ranks runs (its exit kills what runs
+        there): ``ranks`` emulated hosts at ``bandwidth`` (a tc rate; None or "none":
+        unshaped), or with ``shared_lo`` one namespace's shaped ``lo`` (ShapedLoopback);
+        :class:`Loopback` for one rank or when not emulating."""
         if not self.emulate or ranks == 1:
-            return Loopback(ranks)
+            return contextlib.nullcontext(Loopback(ranks))
         from tf_poseidon.testing import EmulatedCluster, ShapedLoopback
         bandwidth = None if bandwidth == "none" else bandwidth
         return ShapedLoopback(bandwidth) if shared_lo else EmulatedCluster(ranks, bandwidth)
 
-    def run(self, cluster, job: Job, progress: bool = False) -> dict:
-        """Runs ``job`` on ``cluster`` to its end or its timeout (blocking; with ``progress``
-        rank 0's progress lines are said meanwhile); returns ``{"status": "ok" | "not
-        available" | "failed" | "timed out", "message", "per_rank": the ranks' result dicts
-        in rank order, "wall_s", "log"}`` with, for a training job that succeeded, the
-        :func:`aggregate` figures. KeyboardInterrupt passes through (the cluster's exit ends
-        the job)."""
+    def run(self, cluster, job: Job) -> dict:
+        """Runs ``job`` on ``cluster`` to its end or its timeout (blocking); returns
+        ``{"status": "ok" | "not available" | "failed" | "timed out", "message", "per_rank":
+        the ranks' result dicts in rank order, "wall_s", "log"}`` and, for a training job that
+        succeeded, the :func:`aggregate` figures. KeyboardInterrupt passes through."""
         out = tempfile.mkdtemp(prefix=f"{job.kind}-{job.args.get('model', '')}-", dir=self.logs)
-        argv, start, ended = command(job, cluster, out), time.monotonic(), threading.Event()
-        progress_file = os.path.join(out, "progress")
-        tail = threading.Thread(target=self._tail, args=(progress_file, ended), daemon=True)
-        if progress:
-            tail.start()
+        argv, start, log = command(job, cluster, out), time.monotonic(), os.path.join(out, "log")
         try:
             done = cluster.run(argv, timeout=self.timeout, env=rank_env())
         except subprocess.TimeoutExpired as e:
             done = e
-        finally:
-            ended.set()
-            if progress:
-                tail.join()
-        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
-                      for x in (done.stdout, done.stderr))
-        with open(os.path.join(out, "log"), "w") as f:
-            f.write(shlex.join(argv) + "\n\n" + log)
+        output = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                         for x in (done.stdout, done.stderr))
+        with open(log, "w") as f:
+            f.write(shlex.join(argv) + "\n\n" + output)
         files = [os.path.join(out, f"rank{r}.json") for r in range(job.ranks)]
         per_rank = [json.load(open(p)) for p in files if os.path.exists(p)]
         unavailable = [r["message"] for r in per_rank if r["status"] == "not available"]
         if isinstance(done, subprocess.TimeoutExpired):
+            progress = os.path.join(out, "progress")
+            last = open(progress).read().splitlines()[-1:] if os.path.exists(progress) else []
             status, message = "timed out", f"no result within {self.timeout:g} s; last " \
-                "progress: " + (_lines(progress_file) or ["none (did not start training)"])[-1]
+                f"progress: {(last or ['none (did not start training)'])[0]}"
         elif unavailable:
             status, message = "not available", unavailable[0]
         elif done.returncode == 0 and len(per_rank) == job.ranks:
             status, message = "ok", ""
         else:
             status, message = "failed", f"exit {done.returncode}, {len(per_rank)}/{job.ranks} " \
-                f"ranks reported; {error_line(log)}"
-        result = {"status": status, "message": message, "per_rank": per_rank}
-        if status == "ok" and "steps" in per_rank[0]:
-            result |= aggregate(per_rank)
-        return result | {"wall_s": time.monotonic() - start, "log": os.path.join(out, "log")}
-
-    def _tail(self, path: str, ended: threading.Event) -> None:
-        shown = 0
-        while True:
-            last = ended.wait(1.0)  # before reading: no last line is missed
-            lines = _lines(path)
-            for line in lines[shown:]:
-                self.say(f"      {line}")
-            shown = len(lines)
-            if last:
-                return
+                f"ranks reported; {error_line(output)}"
+        figures = aggregate(per_rank) if status == "ok" and "steps" in per_rank[0] else {}
+        return {"status": status, "message": message, "per_rank": per_rank, **figures,
+                "wall_s": time.monotonic() - start, "log": log}
 
     def repeat(self, cluster, jobs: dict[str, Job], repeats: int = 1) -> dict[str, list[dict]]:
         """Every job ``repeats`` times, interleaved (A, B, A, B, ...) so that a drift of the
         machine's speed hits all alike (blocking): per job name, its results (:meth:`run`).
-        Raises RuntimeError, naming the log, for a job that did not succeed: a per-feature
-        table needs every figure."""
+        Raises RuntimeError, naming the log, for a job that did not succeed."""
         runs: dict[str, list[dict]] = {name: [] for name in jobs}
         for _ in range(repeats):
             for name, job in jobs.items():
@@ -274,44 +235,86 @@ class Bench:
                 if r["status"] != "ok":
                     raise RuntimeError(f"{name}: {r['status']}: {r['message']} ({r['log']})")
                 runs[name].append(r)
-                self.say(f"{name}: {r['wall_s']:.0f} s" + (f", {r['step_s']:.3f} s/step" if
-                         "step_s" in r else "") + f", load {os.getloadavg()[0]:.1f}")
+                print(f"{name}: {r['wall_s']:.0f} s" + (f", {r['step_s']:.3f} s/step" if
+                      "step_s" in r else "") + f", load {os.getloadavg()[0]:.1f}", flush=True)
         return runs
 
 
-def versus(args, bench: Bench, variants: dict[str, tuple[dict, dict]]) -> dict:
-    """A protocol against its baseline (benchmarks/sfb.py, benchmarks/sparse.py), blocking:
-    for each ``--ranks``, on that many hosts at ``--bandwidth``, one tf_poseidon job per
-    variant (name → (worker flags, strategy options); the baseline first) at ``--batch`` rows
-    per rank and, on the first cluster unless ``--no-single``, one process alone; each
-    ``--repeats`` times, interleaved. Returns {"bandwidth", "batch", "variants" (the names),
-    "runs": per run its step (the slowest rank's median), samples/s at that step, rank 0's
-    bytes per step (eth0, strategy.stats()) and its plan}."""
-    model = model_args(args)
-    out = {"bandwidth": args.bandwidth, "batch": args.batch, "variants": list(variants),
-           "runs": []}
-    for ranks in args.ranks:
-        jobs = {(name, ranks): Job("poseidon", ranks, model | flags, options)
-                for name, (flags, options) in variants.items()}
-        if ranks == args.ranks[0] and not args.no_single:
-            jobs = {("-", 1): Job("single", 1, model)} | jobs
-        with bench.hosts(ranks, args.bandwidth) as cluster:
-            runs = bench.repeat(cluster, {f"P={p} {v}": job for (v, p), job in jobs.items()},
-                                args.repeats)
-        out["runs"] += [{
-            "ranks": p, "variant": variant, "step_time_s": r["step_median_s"],
-            "samples_per_s": args.batch * p / r["step_median_s"],
-            "eth0_tx_bytes_per_step": r["tx_bytes_per_step"][0] if p > 1 else None,
-            "stats_bytes_sent_per_step": r["per_rank"][0].get("poseidon_stats", {}).get(
-                "bytes_sent"), "plan": r["per_rank"][0].get("plan", "")}
-            for (variant, p), results in zip(jobs, runs.values()) for r in results]
-    return out
+def feature_main(doc: str, measure, table, emulated: bool = True, **defaults) -> int:
+    """The command line of a per-feature benchmark, blocking: ``doc`` is the help's text;
+    ``--timeout`` (seconds per job), ``--json FILE`` (keeps the figures), ``--from-json FILE``
+    (prints their table, measuring nothing), ``--no-netns`` if ``emulated`` (else the ranks
+    always run on this machine), and an option per ``defaults`` entry (a list: one or more
+    values; False: a bare flag). Prints ``table(measure(args, bench))``."""
+    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job; 900")
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--from-json", help="print the table of an earlier --json file")
+    for name, value in (defaults | ({"no_netns": False} if emulated else {})).items():
+        many, flag = isinstance(value, list), f"--{name.replace('_', '-')}"
+        if value is False:
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=type(value[0] if many else value), default=value,
+                           nargs="+" if many else None,
+                           help=f"default: {' '.join(map(str, value)) if many else value}")
+    args = p.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+    else:
+        emulate, where = emulation(args.no_netns) if emulated else (False, "this machine")
+        if not emulate and hasattr(args, "bandwidth"):  # what the tables say of the links
+            args.bandwidth = ["none"] if isinstance(args.bandwidth, list) else "none"
+        bench = Bench(emulate, args.timeout)
+        print(f"Hosts: {where}\nLogs: {bench.logs}\nLoad average: {os.getloadavg()[0]:.1f}",
+              flush=True)
+        results = measure(args, bench)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    print("\n" + "\n".join(table(results)))
+    return 0
+
+
+def model_args(args) -> dict:
+    """The worker flags of a per-feature benchmark's model options (an MLP by default)."""
+    keys = ("model", "width", "layers", "batch", "warmup", "steps")
+    return {"model": "mlp"} | {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+
+def versus_main(doc: str, column: str, variants: dict[str, tuple[dict, dict]],
+                **defaults) -> int:
+    """:func:`feature_main` of a protocol against its baseline (benchmarks/sfb.py, sparse.py):
+    for each ``--ranks``, on that many hosts at ``--bandwidth``, a tf_poseidon job per variant
+    (name → (worker flags, strategy options); the baseline first) and, on the first cluster,
+    one process alone, each ``--repeats`` times interleaved; :func:`versus_table` prints."""
+    def measure(args, bench: Bench) -> dict:
+        out = {"bandwidth": args.bandwidth, "batch": args.batch, "variants": list(variants),
+               "runs": []}
+        for ranks in args.ranks:
+            jobs = {(name, ranks): Job("poseidon", ranks, model_args(args) | flags, options)
+                    for name, (flags, options) in variants.items()}
+            if ranks == args.ranks[0]:
+                jobs = {("-", 1): Job("single", 1, model_args(args))} | jobs
+            with bench.hosts(ranks, args.bandwidth) as cluster:
+                runs = bench.repeat(cluster, {f"P={p} {v}": job for (v, p), job in jobs.items()},
+                                    args.repeats)
+            out["runs"] += [{  # the slowest rank's median step; rank 0's bytes and plan
+                "ranks": p, "variant": variant, "step_time_s": r["step_median_s"],
+                "samples_per_s": args.batch * p / r["step_median_s"],
+                "eth0_tx_bytes_per_step": r["tx_bytes_per_step"][0] if p > 1 else None,
+                "stats_bytes_sent_per_step": r["per_rank"][0].get("poseidon_stats", {}).get(
+                    "bytes_sent"), "plan": r["per_rank"][0].get("plan", "")}
+                for (variant, p), results in zip(jobs, runs.values()) for r in results]
+        return out
+    return feature_main(doc, measure, lambda results: versus_table(results, column), **defaults)
 
 
 def versus_table(results: dict, column: str) -> list[str]:
-    """The table of :func:`versus`'s results: per world size and variant the run with the
-    median step time, its bytes and step time against the baseline's, and the plan of the
-    second variant."""
+    """:func:`versus_main`'s table: per world size and variant the run with the median step
+    time, its bytes and step time against the baseline's, and the plan of the second variant."""
     base, new = results["variants"][:2]
     runs: dict = {}
     for r in results["runs"]:
@@ -339,58 +342,3 @@ def versus_table(results: dict, column: str) -> list[str]:
                  "step of each run (s)"], rows)] + [
         f"\nThe plan of {column}={new} at P={r['ranks']}:\n{r['plan']}"
         for (_, _, variant), r in sorted(chosen.items()) if variant == new and r["plan"]]
-
-
-def feature_main(doc: str, measure, table, emulated: bool = True, choices: dict | None = None,
-                 **defaults) -> int:
-    """The command line of a per-feature benchmark (``doc``, its docstring, is the help's
-    description): the common options, one per ``defaults`` entry (a list: one or more values;
-    False: a bare flag) with ``choices`` (name → allowed values), each default shown by
-    ``--help``; ``measure(args, bench) -> results`` (JSON-able; ``--json`` keeps them) and
-    ``table(results) -> lines``, printed (``--from-json``: of saved results, measuring
-    nothing). Not ``emulated``: the ranks always run on this machine."""
-    p = argparse.ArgumentParser(description=doc, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per job; 900")
-    p.add_argument("--logs", help="a new directory for the jobs' logs goes here (else in /tmp)")
-    p.add_argument("--json", help="write every figure to this file")
-    p.add_argument("--from-json", help="print the table of an earlier --json file")
-    for name, value in (defaults | ({"no_netns": False} if emulated else {})).items():
-        many, flag = isinstance(value, list), f"--{name.replace('_', '-')}"
-        if value is False:
-            p.add_argument(flag, action="store_true")
-        else:
-            p.add_argument(flag, type=type(value[0] if many else value), default=value,
-                           nargs="+" if many else None, choices=(choices or {}).get(name),
-                           help=f"default: {' '.join(map(str, value)) if many else value}")
-    args = p.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            results = json.load(f)
-    else:
-        emulate, where = emulation(args.no_netns) if emulated else (False, "this machine")
-        if not emulate and hasattr(args, "bandwidth"):  # what the tables say of the links
-            args.bandwidth = ["none"] if isinstance(args.bandwidth, list) else "none"
-        bench = Bench(emulate, args.timeout, args.logs, lambda text: print(text, flush=True))
-        print(f"Hosts: {where}\nLogs: {bench.logs}\nLoad average: {os.getloadavg()[0]:.1f}",
-              flush=True)
-        results = measure(args, bench)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-    print("\n" + "\n".join(table(results)))
-    return 0
-
-
-def versus_main(doc: str, column: str, variants: dict[str, tuple[dict, dict]],
-                **defaults) -> int:
-    """:func:`feature_main` of a :func:`versus` benchmark of ``variants``, named in the
-    table's ``column``."""
-    return feature_main(doc, lambda args, bench: versus(args, bench, variants),
-                        lambda results: versus_table(results, column), **defaults)
-
-
-def model_args(args) -> dict:
-    """The worker flags of a per-feature benchmark's model options (an MLP by default)."""
-    keys = ("model", "width", "layers", "batch", "warmup", "steps")
-    return {"model": "mlp"} | {k: getattr(args, k) for k in keys if hasattr(args, k)}

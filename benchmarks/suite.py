@@ -7,12 +7,10 @@ emulated commodity-Ethernet cluster (docs/benchmarks.md).
     python -m benchmarks.suite --report-only docs/benchmarks/results.json  # rewrite md + png
 
 From the repository root, as root (network namespaces). The one-process references run first,
-then per (ranks, bandwidth) one cluster (benchmarks/runner.py) runs every model and
-configuration (benchmarks/report.py: CONFIGS). After each configuration the results so far are
-saved in ``--out`` (docs/): the run in benchmarks/results.json, the results block of
-benchmarks.md and benchmarks.png, so Ctrl-C, a crash or a timeout keeps what was measured.
-Options the strategy refuses with NotImplementedError are recorded as "not available". Blocks;
-prints progress and the tables.
+then per (ranks, bandwidth) one cluster runs every model and configuration (report.CONFIGS).
+After each configuration the run so far is saved in ``--out`` (docs/): benchmarks/results.json,
+the results block of benchmarks.md and benchmarks.png, so that Ctrl-C, a crash or a timeout
+keeps what was measured.
 """
 
 import argparse
@@ -24,7 +22,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 
 from benchmarks import report, runner
 from benchmarks.models import MODELS
@@ -32,9 +29,8 @@ from benchmarks.report import CONFIG_BY_NAME, Config
 
 
 def precheck(config: Config, ranks: int) -> tuple[str, str] | None:
-    """("not available", message) or ("failed", "invalid options: ...") if the strategy's
-    constructor would refuse ``config`` at ``ranks`` ranks (tf_poseidon.config.StrategyConfig
-    checks without starting a job); None when the job should run."""
+    """("not available", message) or ("failed", "invalid options: ...") where the strategy's
+    constructor refuses ``config`` at ``ranks`` ranks (checked here, without a job); else None."""
     if config.kind != "poseidon":
         return None
     from tf_poseidon.config import StrategyConfig
@@ -66,33 +62,32 @@ def plan(settings: dict) -> list[tuple[int, str | None, str, Config]]:
 
 
 def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command: str) -> dict:
-    """Runs every planned configuration, ``save(run)`` after each; returns the run dict.
-    Ctrl-C (or SIGTERM/SIGHUP while a cluster is open) ends it, status "interrupted", after
-    saving what was measured."""
+    """Runs every planned configuration, calling ``save(run)`` after each (blocking); returns
+    the run. Ctrl-C (or SIGTERM/SIGHUP while a cluster is open: SystemExit, raised again) ends
+    it, status "interrupted", after saving what was measured."""
     run = {"command": command, "started": _now(), "finished": None, "status": "running",
            "settings": settings, "environment": environment(), "emulation": emulation,
            "results": []}
-    say = bench.say
-    say(f"Logs of every configuration: {bench.logs}")
-    todo, t0, current = plan(settings), time.monotonic(), None
+    todo, current = plan(settings), None
+    print(f"Logs of every configuration: {bench.logs}", flush=True)
     try:
         for (ranks, bw), group in itertools.groupby(enumerate(todo), key=lambda t: t[1][:2]):
             with bench.hosts(ranks, bw) as cluster:
                 for i, (_, _, model, config) in group:
                     current = {"model": model, "config": config.name, "ranks": ranks,
                                "bandwidth": bw}
-                    where = f"[{_clock(t0)}] ({i + 1}/{len(todo)}) {model} " \
-                        f"{report.link_label(bw, ranks)} {config.name}"
+                    print(f"({i + 1}/{len(todo)}) {model} {report.link_label(bw, ranks)} "
+                          f"{config.name} — {config.label}", flush=True)
                     verdict = precheck(config, ranks)
                     if verdict:
-                        say(f"{where}: {verdict[0]}: {verdict[1]}")
                         current |= {"status": verdict[0], "message": verdict[1]}
                     else:
-                        say(f"{where} — {config.label}")
-                        job = job_for(config, model, ranks, settings)
-                        done = bench.run(cluster, job, progress=True)
+                        done = bench.run(cluster, job_for(config, model, ranks, settings))
                         current |= {k: v for k, v in done.items() if k != "per_rank"}
-                        say(f"      → {_summary(current)}")
+                    print(f"      → {current['status']}: " + (
+                        f"{current['samples_per_s']:.1f} samples/s, {current['step_s']:.3f} "
+                        f"s/step ({current['wall_s']:.0f} s)" if current["status"] == "ok"
+                        else current["message"]), flush=True)
                     run["results"].append(current)
                     current = None
                     save(run)
@@ -102,19 +97,17 @@ def run_suite(settings: dict, bench: runner.Bench, emulation: str, save, command
         if current is not None:
             run["results"].append(current | {"status": "interrupted", "message":
                                              f"{type(e).__name__} during this configuration"})
-        say(f"\n[{_clock(t0)}] interrupted; writing what was measured")
         if isinstance(e, SystemExit):
             raise
     finally:
         run["finished"] = _now()
-        if run["status"] != "complete":
-            mark_not_run(run, todo)
+        mark_not_run(run, todo)
         save(run)
     return run
 
 
 def mark_not_run(run: dict, todo) -> None:
-    """Adds a "not run" result for every planned configuration the run did not reach."""
+    """Adds a "not run" result for every planned configuration the run has none for."""
     seen = {(r["model"], r["config"], r["ranks"], r["bandwidth"]) for r in run["results"]}
     run["results"] += [{"model": model, "config": config.name, "ranks": ranks, "bandwidth": bw,
                         "status": "not run", "message": "the run ended before this configuration"}
@@ -122,21 +115,8 @@ def mark_not_run(run: dict, todo) -> None:
                        if (model, config.name, ranks, bw) not in seen]
 
 
-def _summary(r: dict) -> str:
-    if r["status"] != "ok":
-        return f"{r['status']}: {r['message']}"
-    wire = report.busiest(r)
-    return (f"{r['samples_per_s']:.1f} samples/s, {r['step_s']:.3f} s/step"
-            + (f", {wire / 1e6:.1f} MB/step sent by the busiest host" if wire is not None else "")
-            + f" ({r['wall_s']:.0f} s)")
-
-
 def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-def _clock(t0: float) -> str:
-    return "{:3d}:{:02d}".format(*divmod(int(time.monotonic() - t0), 60))
 
 
 def environment() -> dict[str, str]:
@@ -146,10 +126,11 @@ def environment() -> dict[str, str]:
     import mpi4py
     import tensorflow as tf
     from tf_poseidon.launcher import find_mpirun
-    out = lambda *argv: subprocess.run(argv, capture_output=True,  # noqa: E731
-                                       text=True).stdout.strip() or "unknown"
-    info = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for path in (
-        "/proc/cpuinfo", "/proc/meminfo") for line in open(path) if ":" in line}
+
+    def out(*argv):
+        return subprocess.run(argv, capture_output=True, text=True).stdout.strip() or "unknown"
+    info = {key.strip(): value.strip() for path in ("/proc/cpuinfo", "/proc/meminfo")
+            for key, _, value in (line.partition(":") for line in open(path)) if value}
     return {"CPU": info.get("model name", "unknown"),
             "cores": f"{os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
             "memory": f"{int(info['MemTotal'].split()[0]) / 2**20:.0f} GiB",
@@ -163,16 +144,15 @@ def environment() -> dict[str, str]:
                                              "the machine: see the load column)"}
 
 
-def saver(out: str):
+def save_to(out: str):
     """``save(run)``: writes the run to OUT/benchmarks/results.json, its results block into
-    OUT/benchmarks.md and its chart to OUT/benchmarks.png."""
-    json_path = os.path.join(out, "benchmarks", "results.json")
-
+    OUT/benchmarks.md and its chart (with matplotlib) to OUT/benchmarks.png."""
     def save(run: dict) -> None:
-        os.makedirs(os.path.dirname(json_path), exist_ok=True)
-        with open(json_path + ".tmp", "w") as f:
+        path = os.path.join(out, "benchmarks", "results.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
             f.write(json.dumps(run, indent=1) + "\n")
-        os.replace(json_path + ".tmp", json_path)
+        os.replace(path + ".tmp", path)
         report.write_markdown(run, os.path.join(out, "benchmarks.md"))
         try:
             report.chart(run, os.path.join(out, "benchmarks.png"))
@@ -181,26 +161,23 @@ def saver(out: str):
     return save
 
 
-def print_tables(run: dict, say=print) -> None:
+def print_tables(run: dict) -> None:
     rows = report.derive(run["results"])
-    for title, lines in (("Results (samples/s of all ranks; × compute = step ÷ one-process "
-                          "step):", report.result_table(rows, markdown=False)),
-                         ("Goals (best tf_poseidon configuration):",
-                          report.goal_table(report.goals(rows), markdown=False))):
-        say("\n" + title + "".join("\n  " + line for line in lines))
+    print("\n".join(["", "Results (samples/s of all ranks; × compute = step ÷ one-process step):",
+                     *report.result_table(rows), "", "Goals (best tf_poseidon configuration):",
+                     *report.goal_table(report.goals(rows))]), flush=True)
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.suite", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["fc", "vgg", "resnet"],
-                   help="fc vgg resnet")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["fc", "vgg", "resnet"])
     p.add_argument("--ranks", nargs="+", type=int, help="hosts, one rank each; 2 4")
     p.add_argument("--bandwidths", nargs="+", help="tc rates, 'none' = unshaped; 1gbit 10gbit "
                    "(without --ranks or --bandwidths, 4 hosts at 1gbit only: at 10gbit this "
                    "machine's 2 cores are the limit, not the link: docs/cluster.md)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIG_BY_NAME),
-                   default=list(CONFIG_BY_NAME), help="all (report.py: CONFIGS)")
+                   default=list(CONFIG_BY_NAME))
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (>= 1); 1")
     p.add_argument("--steps", type=int, default=4, help="timed steps; 4")
     p.add_argument("--batch", type=int, default=32, help="rows per rank per step; 32")
@@ -240,12 +217,11 @@ def main(argv=None) -> int:
     if os.path.realpath(os.path.join(args.out, "benchmarks")) == os.path.dirname(
             os.path.realpath(__file__)):
         parser.error("--out: its benchmarks/ is this package; results go beside docs, not code")
-    save = saver(args.out)
+    save = save_to(args.out)
     if args.report_only:
         with open(args.report_only) as f:
             run = json.load(f)
-        if run.get("status") != "complete":
-            mark_not_run(run, plan(run["settings"]))
+        mark_not_run(run, plan(run["settings"]))
         save(run)
         print_tables(run)
         return 0
@@ -255,10 +231,9 @@ def main(argv=None) -> int:
         parser.error(str(e))
     emulate, emulation = runner.emulation(args.no_netns)
     settings["bandwidths"] = settings["bandwidths"] if emulate else [None]
-    command = "python -m benchmarks.suite " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(f"Emulation: {emulation}", flush=True)
-    bench = runner.Bench(emulate, settings["timeout"], settings["logs"],
-                         lambda text: print(text, flush=True))
+    bench = runner.Bench(emulate, settings["timeout"], settings["logs"])
+    command = "python -m benchmarks.suite " + shlex.join(sys.argv[1:] if argv is None else argv)
     run = run_suite(settings, bench, emulation, save, command.strip())
     print_tables(run)
     print(f"\nWrote benchmarks.md, benchmarks.png and benchmarks/results.json in {args.out}")

@@ -1,23 +1,18 @@
 """One rank of a benchmark job, started by benchmarks/runner.py (``python benchmarks/worker.py
 --kind KIND --out DIR ...``, a process per rank). Kinds:
 
-- ``single``: Keras fit without a strategy (the compute-only reference); under ``mpirun``, P
-  independent copies, which shows what sharing the cores costs alone.
-- ``poseidon``: ``tp.PoseidonStrategy(**options)``, Keras fit on global batches of P × batch
-  rows; a NotImplementedError from the constructor is recorded as "not available";
-  ``--no-agreement`` replaces the ranks' collective agreement checks by a no-op,
-  ``--dense-gradients`` applies sparse gradients as dense tensors (DenseGradientsSGD).
+- ``single``: Keras fit without a strategy; under ``mpirun``, P independent copies.
+- ``poseidon``: Keras fit under ``tp.PoseidonStrategy(**options)`` on global batches of P ×
+  batch rows; a NotImplementedError from the constructor is recorded as "not available".
 - ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
   fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
 - ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
   ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
 - ``agreement``: ``--repeats`` collective agreement checks (tf_poseidon/comm/agreement.py).
 
-The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD and share
-one step clock (:class:`Clock`); ``--straggler R --delay S --every N`` makes rank R
-(``moving``: rank 0, then 1, ...) sleep (``--spin``: busy-wait) S seconds before steps N-1,
-2N-1, ... Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0 appends progress lines to
-``DIR/progress``.
+The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD, timed by
+one step clock (:class:`Clock`). Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0
+appends progress lines to ``DIR/progress``.
 """
 
 import argparse
@@ -38,26 +33,24 @@ if __package__ in (None, ""):
 _T0 = time.perf_counter()
 
 
-def nic_counters(nic: str | None) -> tuple[int, int] | None:
-    """(rx_bytes, tx_bytes) of ``nic`` in this process's network namespace, or None."""
-    if not nic:
-        return None
+def tx_bytes(nic: str) -> int | None:
+    """Bytes sent so far through ``nic`` (in this process's network namespace); None: no nic."""
     with open("/proc/self/net/dev") as f:
         fields = {n.strip(): rest.split() for n, _, rest in (line.partition(":") for line in f)}
-    return (int(fields[nic][0]), int(fields[nic][8])) if nic in fields else None
+    return int(fields[nic][8]) if nic in fields else None
 
 
 class Clock:
-    """One rank's step clock, called from the training thread: a step ends when its loss is
-    on the host; the timed window runs from the end of the last warm-up step to the end of the
-    last step, and ``--nic``'s counters (an emulated host's ``eth0``) are read at the same
-    moments. Also the straggler's delay and the rank's result file."""
+    """One rank's step clock, called on the training thread. A step ends when its loss is on
+    the host; the timed window runs from the end of the last warm-up step to the end of the
+    last step, and ``--nic``'s transmit counter is read at the same moments. Before steps
+    N-1, 2N-1, ... (``--every N``) the straggler rank (``--straggler R``, or ``moving``: rank
+    0, then 1, ...) sleeps ``--delay`` seconds."""
 
     def __init__(self, args: argparse.Namespace):
-        self.args, self.ends, self.counters, self.start = args, [], [], time.perf_counter()
-        env = os.environ  # Open MPI's, under mpirun and tfposeidon-run
-        self.rank = int(env.get("OMPI_COMM_WORLD_RANK", 0))
-        self.size = int(env.get("OMPI_COMM_WORLD_SIZE", 1))
+        self.args, self.ends, self.sent, self.start = args, [], [], time.perf_counter()
+        self.rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))  # mpirun's and
+        self.size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))  # tfposeidon-run's
 
     def progress(self, text: str) -> None:
         if self.rank == 0:
@@ -69,41 +62,31 @@ class Clock:
         self.progress(f"set up in {self.start - _T0:.1f} s; training")
 
     def before_step(self, step: int) -> None:
-        """Sleeps or spins if this rank is the straggler before ``step`` (0-based)."""
         a = self.args
-        if a.straggler is None or step % a.every != a.every - 1:
-            return
-        slowed = (step // a.every) % self.size if a.straggler == "moving" else int(a.straggler)
-        if slowed == self.rank:
-            until = time.perf_counter() + a.delay
-            while a.spin and time.perf_counter() < until:
-                pass
-            time.sleep(max(0.0, until - time.perf_counter()))
+        if a.straggler is not None and step % a.every == a.every - 1 and self.rank == (
+                (step // a.every) % self.size if a.straggler == "moving" else int(a.straggler)):
+            time.sleep(a.delay)
 
     def after_step(self) -> None:
-        """Called once per step, after the step's loss reached the host."""
         self.ends.append(time.perf_counter())
-        self.counters.append(nic_counters(self.args.nic))
+        self.sent.append(tx_bytes(self.args.nic) if self.args.nic else None)
         done, w = len(self.ends), self.args.warmup
-        last = self.ends[-1] - (self.ends[-2] if done > 1 else self.start)
-        self.progress(f"step {done}/{w + self.args.steps} "
-                      f"({'warm-up' if done <= w else 'timed'}) {last:.2f} s")
+        self.progress(f"step {done}/{w + self.args.steps} ({'warm-up' if done <= w else 'timed'})"
+                      f" {self.ends[-1] - (self.ends[-2] if done > 1 else self.start):.2f} s")
 
     def write(self, status: str = "ok", message: str = "", **extra) -> None:
         """Writes this rank's result: the timed figures (if steps ran) and ``extra``."""
         a, w = self.args, self.args.warmup  # >= 1: the first step traces; it is never timed
         result = {"kind": a.kind, "rank": self.rank, "size": self.size, "status": status,
                   "message": message, "host": socket.gethostname(), "batch": a.batch,
-                  "warmup": w, "affinity_cpus": len(os.sched_getaffinity(0)),
-                  "loadavg": os.getloadavg()[0]}
+                  "warmup": w, "loadavg": os.getloadavg()[0]}
         if status == "ok" and self.ends:
             first, timed = self.ends[w - 1], self.ends[w:]
             result.update(steps=len(timed), window_s=timed[-1] - first, start_s=first,
-                          end_s=timed[-1], first_step_s=self.ends[0] - self.start,
+                          end_s=timed[-1],
                           step_times_s=[b - a_ for a_, b in zip([first] + timed[:-1], timed)])
-            before, after = self.counters[w - 1], self.counters[-1]
-            if before and after:
-                result.update(rx_bytes=after[0] - before[0], tx_bytes=after[1] - before[1])
+            if self.sent[-1] is not None:
+                result["tx_bytes"] = self.sent[-1] - self.sent[w - 1]
         path = os.path.join(a.out, f"rank{self.rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(result | extra, f)
@@ -111,10 +94,17 @@ class Clock:
 
 
 def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
-    """``--model`` (compiled for fit: SGD, no XLA; call in the strategy's scope) and a
-    synthetic batch of ``rows`` rows."""
+    """``--model`` (built in the caller's strategy scope; compiled for fit: SGD, no XLA, with
+    ``--dense-gradients`` sparse gradients applied as dense tensors, as Horovod's
+    ``sparse_as_dense``) and ``rows`` rows of synthetic data."""
     import keras
+    import tensorflow as tf
     from benchmarks import models
+
+    class DenseGradientsSGD(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            return super().apply([tf.convert_to_tensor(g) for g in grads], trainable_variables)
+
     spec = models.mlp(args.width, args.layers) if args.model == "mlp" else models.MODELS[
         args.model]
     model = models.build(spec)
@@ -123,18 +113,6 @@ def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
                                  keras.optimizers.SGD)(0.01), jit_compile=False,
                       loss="sparse_categorical_crossentropy")
     return model, models.synthetic_batch(spec, rows, seed)
-
-
-def DenseGradientsSGD(learning_rate: float):
-    """SGD that turns sparse gradients (IndexedSlices) into dense tensors before applying
-    them, as Horovod's ``sparse_as_dense=True`` does: the dense path of benchmarks/sparse.py."""
-    import keras
-    import tensorflow as tf
-
-    class Densifying(keras.optimizers.SGD):
-        def apply(self, grads, trainable_variables=None):
-            return super().apply([tf.convert_to_tensor(g) for g in grads], trainable_variables)
-    return Densifying(learning_rate)
 
 
 def fit(model, batch, clock: Clock) -> None:
@@ -156,14 +134,13 @@ def fit(model, batch, clock: Clock) -> None:
               epochs=1, verbose=0, callbacks=[StepClock()])
 
 
-def run_single(args, clock: Clock) -> None:
-    fit(*model_and_data(args, args.batch), clock)
-    clock.write()
-
-
-def run_poseidon(args, clock: Clock) -> None:
+def run_fit(args, clock: Clock) -> None:
+    """The ``single`` and ``poseidon`` kinds."""
+    if args.kind == "single":
+        fit(*model_and_data(args, args.batch), clock)
+        return clock.write()
     import tf_poseidon as tp  # first: it sizes TensorFlow's thread pools before TF starts
-    if args.no_agreement:
+    if args.no_agreement:  # the ranks' collective agreement checks become no-ops
         from tf_poseidon.comm import agreement
         agreement.agree = lambda *_: None
     try:
@@ -173,14 +150,13 @@ def run_poseidon(args, clock: Clock) -> None:
     with strategy.scope():
         model, batch = model_and_data(args, clock.size * args.batch)  # global batches
     fit(model, batch, clock)
-    extra = {"params": model.count_params()}
     try:  # the statistics are extra information, never a reason to fail
-        report, records = strategy.stats(args.steps), strategy.extended.engine.stats.records()
-        extra.update(poseidon_stats=report["summary"], mode_stats=report.get("mode"),
-                     plan=str(strategy.plan()), engine_bytes_sent=sum(
-                         r.bytes_sent for r in records))
+        report = strategy.stats(args.steps)
+        extra = {"poseidon_stats": report["summary"], "mode_stats": report.get("mode"),
+                 "plan": str(strategy.plan()), "engine_bytes_sent": sum(
+                     r.bytes_sent for r in strategy.extended.engine.stats.records())}
     except Exception as e:
-        extra["poseidon_stats_error"] = repr(e)
+        extra = {"poseidon_stats_error": repr(e)}
     clock.write(**extra)
 
 
@@ -287,8 +263,8 @@ def run_agreement(args, clock: Clock) -> None:
     clock.write(check_s=(time.perf_counter() - start) / args.repeats)
 
 
-KINDS = {"single": run_single, "poseidon": run_poseidon, "mwms": run_mwms,
-         "allreduce": run_allreduce, "agreement": run_agreement}
+KINDS = {"single": run_fit, "poseidon": run_fit, "mwms": run_mwms, "allreduce": run_allreduce,
+         "agreement": run_agreement}
 
 
 def main(argv=None) -> int:
@@ -299,7 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny", help="a name in benchmarks/models.py, or mlp")
     p.add_argument("--straggler", help="the slowed rank, or moving")
     p.add_argument("--codecs", nargs="+", default=["mpi"])
-    for flag in ("spin", "dense-gradients", "no-agreement"):
+    for flag in ("dense-gradients", "no-agreement"):
         p.add_argument(f"--{flag}", action="store_true")
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
                           ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500),
