@@ -110,6 +110,9 @@ step_trouble() {
     esac
 }
 
+# "exit STATUS", with step_trouble's words when there are any: how a failed step ended.
+ended() { local trouble; trouble=$(step_trouble); echo "exit $STEP_RC${trouble:+ ($trouble)}"; }
+
 tail_of() { tail -n "${2:-3}" "$OUT_DIR/$1.log" 2>/dev/null | tr '\n|' '  ' | cut -c1-300; }
 
 write_results() {
@@ -191,7 +194,7 @@ if [ $DEV = GPU ]; then
     case $STEP_OUTCOME in
         ok) record PASS "$HARNESS" "${passes:-0} checks passed. $skips" "$STEP_S" ;;
         budget) record "NOT RUN" "$HARNESS" "$(step_trouble)" "$STEP_S" ;;
-        *) record FAIL "$HARNESS" "exit $STEP_RC $(step_trouble), ${passes:-0} passed; ${fails:-$(tail_of harness)}" "$STEP_S" ;;
+        *) record FAIL "$HARNESS" "$(ended), ${passes:-0} passed; ${fails:-$(tail_of harness)}" "$STEP_S" ;;
     esac
 else
     record "NOT RUN" "$HARNESS" "CPU dry run: the harness needs a GPU" 0
@@ -262,7 +265,7 @@ PY
 case $STEP_OUTCOME in
     ok) record PASS "$BUILD" "$(tail_of build 1)" "$STEP_S" ;;
     budget) finish "$(step_trouble)" ;;
-    *) record FAIL "$BUILD" "$(step_trouble) $(tail_of build)" "$STEP_S"
+    *) record FAIL "$BUILD" "$(ended): $(tail_of build)" "$STEP_S"
        finish "the ops could not be built for the $DEV" ;;
 esac
 
@@ -280,7 +283,7 @@ case $STEP_OUTCOME in
             record PASS "$TESTS" "$summary" "$STEP_S"
         fi ;;
     budget) record "NOT RUN" "$TESTS" "$(step_trouble)" "$STEP_S" ;;
-    *) record FAIL "$TESTS" "exit $STEP_RC $(step_trouble): $summary $(grep -m3 '^FAILED' \
+    *) record FAIL "$TESTS" "$(ended): $summary $(grep -m3 '^FAILED' \
         "$OUT_DIR/tests.log" | tr '\n' ';')" "$STEP_S" ;;
 esac
 
@@ -300,7 +303,7 @@ if [ $STEP_OUTCOME = budget ]; then
 elif [ $STEP_OUTCOME = ok ] || { [ $DEV = CPU ] && [ -n "$goals" ]; }; then
     record PASS "$BENCH" "$goals$([ $DEV = CPU ] && echo ' (the GPU goals, on the CPU)') $missed" "$STEP_S"
 else
-    record FAIL "$BENCH" "exit $STEP_RC $(step_trouble): ${goals:-$(tail_of bench)} $missed" "$STEP_S"
+    record FAIL "$BENCH" "$(ended): ${goals:-$(tail_of bench)} $missed" "$STEP_S"
 fi
 
 # -- 5. the digits example on 2 ranks sharing the GPU, and on the CPU ---------------------------
@@ -334,7 +337,7 @@ if [ $STEP_OUTCOME = budget ]; then
 elif [ "$cpu_outcome" = budget ]; then
     record "NOT RUN" "$TRAIN" "the CPU run stopped at the end of the time budget" "$gpu_s"
 elif [ $STEP_RC != 0 ] || [ "$cpu_rc" != 0 ] || [ -z "$gpu_acc" ] || [ -z "$cpu_acc" ]; then
-    record FAIL "$TRAIN" "exit $DEV $STEP_RC CPU $cpu_rc $(step_trouble), accuracy $DEV \
+    record FAIL "$TRAIN" "$DEV run $(ended), CPU run exit $cpu_rc; accuracy $DEV \
 ${gpu_acc:-?} CPU ${cpu_acc:-?}. $rank_lines $(tail_of train_gpu 2) $(tail_of train_cpu 2)" "$gpu_s"
 elif "$PYTHON" -c "import sys; sys.exit(abs($gpu_acc - $cpu_acc) > 0.01)"; then
     record PASS "$TRAIN" "test accuracy $DEV $gpu_acc, CPU $cpu_acc (goal: within 0.01). \
