@@ -42,12 +42,11 @@ SCENARIOS = {
                                r"EASGD exchange \(training\)'; rank 1 posted control-plane "
                                r"call 'the asynchronous EASGD meeting at the end of fit'\.",
                                r"TerminateOnNaN stopped training on some ranks only"],
-    "lengths_steps": [r"aborting the job: ValueError: the ranks were given different data "
-                      r"\(rank 0: 4 batches of 32, the last of 4; rank 1: 5 batches of 32, the "
-                      r"last of 2\)", r"distribute_datasets_from_function"],
-    "lengths_rows": [r"aborting the job: ValueError: the ranks were given different data "
-                     r"\(rank 0: 4 batches of 32, the last of 4; rank 1: 4 batches of 32, the "
-                     r"last of 14\)"],
+    "lengths_steps": [r"ValueError: the ranks were given different data \(rank 0: 4 batches "
+                      r"of 32, the last of 4; rank 1: 5 batches of 32, the last of 2\)",
+                      r"distribute_datasets_from_function"],
+    "lengths_rows": [r"ValueError: the ranks were given different data \(rank 0: 4 batches of "
+                     r"32, the last of 4; rank 1: 4 batches of 32, the last of 14\)"],
 }
 
 
@@ -85,7 +84,8 @@ def test_diverging_ranks_end_the_job_naming_both_sides_on_every_rank(scenario):
     assert "rank 0 finished" not in output, output[-3000:]
     diverged = min(t for t, line in lines if re.fullmatch(r"\[1,\d\]<stdout>: ?DIVERGE", line))
     for rank in (0, 1):
-        # Open MPI's tag says which rank printed the line, the line that it is that rank's.
+        # Open MPI's tag says which process printed the line; the line, which rank it is.
+        # Each rank prints the error when it finds it, before any rank raises it and aborts.
         reports = [(t, line) for t, line in lines
                    if line.startswith(f"[1,{rank}]<stderr>: [tf_poseidon rank {rank}] ")
                    and all(re.search(p, line) for p in SCENARIOS[scenario])]

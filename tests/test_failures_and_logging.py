@@ -15,9 +15,13 @@ import time
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from multirank import WORKERS, check, job_env, run_job
-from tf_poseidon import timeouts
+from tf_poseidon import initial_sync, timeouts
+from tf_poseidon.comm.engine import ENGINE_REPORT_GRACE_S, CommEngine
+from tf_poseidon.comm.errors import CollectiveTimeoutError
+from tf_poseidon.testing.loopback import LoopbackWorld
 
 
 
@@ -138,6 +142,40 @@ def test_waiting_for_rank_0_ends_when_it_stops_or_works_too_long(behaviour, caus
         result.stdout[-3000:]
 
 
+@pytest.mark.parametrize("behaviour, limit_s, cause", [
+    ("exit-working", 60, None),
+    ("exit-stopped", 60, f"this rank has reached the end of its program and waits for rank 0, "
+                     f"which sent no heartbeat for {STEP_TIMEOUT_S} s (TF_POSEIDON_TIMEOUT): a "
+                     "stopped process, or one whose Python threads cannot run."),
+    ("exit-stuck", 6, "this rank has reached the end of its program and has waited 6 s "
+                   "(TF_POSEIDON_MEETING_TIMEOUT) for rank 0, alive but not at the end of the "
+                   "program: stuck (a deadlock, an endless loop), or working alone for longer "
+                   "than that."),
+])
+@pytest.mark.multirank
+def test_the_end_of_the_program_waits_for_a_working_rank_not_a_stuck_one(behaviour, limit_s,
+                                                                         cause):
+    # After a short fit rank 1 reaches the end of its program while rank 0 works alone for
+    # 5 s (heartbeats: rank 1 waits past the step timeout), stops its own process (no
+    # heartbeat: rank 1 gives up after the step timeout), or sleeps 600 s (heartbeats: rank 1
+    # gives up at the meeting limit, TF_POSEIDON_MEETING_TIMEOUT). The cause is the launcher's
+    # last line.
+    delay = 5
+    result, seconds = run_job(2, "slow_phases.py", behaviour, str(delay), timeout=240,
+                              env={"TF_POSEIDON_TIMEOUT": str(STEP_TIMEOUT_S),
+                                   "TF_POSEIDON_MEETING_TIMEOUT": str(limit_s)})
+    if cause is None:
+        output = check(result)
+        assert "rank 0 done" in output and "rank 1 done" in output
+        assert seconds > delay
+        return
+    assert result.returncode != 0, result.stdout[-3000:]
+    last = result.stdout.rstrip().split("\n")[-1]
+    assert last == f"tfposeidon-run: the job failed: rank 1: CollectiveTimeoutError: {cause}", \
+        result.stdout[-3000:]
+    assert seconds < 120, f"{seconds:.0f} s"
+
+
 def test_phase_limits_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("TF_POSEIDON_TIMEOUT", "30")
     assert timeouts.step_s() == 30
@@ -151,6 +189,33 @@ def test_phase_limits_come_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"TF_POSEIDON_START_TIMEOUT='{bad}': give a "
                                              "positive number of seconds"):
             timeouts.start_s()
+
+
+def test_the_initial_broadcast_waits_as_long_as_its_bytes_need(monkeypatch):
+    # Two ranks in one process (loopback): both meet, then rank 1 stops before the broadcast
+    # of rank 0's 20 MB of weights. With a 1 s step timeout, rank 0 gives up after
+    # timeouts.broadcast_s(20 MB) = 1 s + 2 s, and says so.
+    monkeypatch.setenv("TF_POSEIDON_TIMEOUT", "1")
+    limit_s = timeouts.broadcast_s(20_000_000)
+    assert limit_s == 3
+
+    def rank_main(comm):
+        engine = CommEngine(comm)
+        weights = [tf.Variable(tf.zeros([5_000_000]))]
+        if comm.rank == 1:  # the first meeting, then nothing
+            engine.call(lambda c: c.allgather(initial_sync.describe(weights)),
+                        label=initial_sync.FIRST_MEETING)
+            return None
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as raised:
+            initial_sync.check_and_broadcast(engine, weights)
+        return str(raised.value), time.monotonic() - start
+
+    message, seconds = LoopbackWorld(2, timeout_s=30).run(rank_main)[0]
+    assert message == ("tf_poseidon: the initial broadcast of 20.0 MB of float32 values did not "
+                       "complete within 3 s (TF_POSEIDON_TIMEOUT + 1 s per 10 MB). A peer rank "
+                       "hangs or runs a different program.")
+    assert limit_s <= seconds < limit_s + ENGINE_REPORT_GRACE_S, seconds
 
 
 # -- kill drills: SIGKILL of a rank at four points (tests/workers/checkpoint_kill.py) ---------

@@ -24,12 +24,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import secrets
+import sys
 from typing import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
+
+from tf_poseidon import world
 
 
 def batch_size_of(structure) -> tf.Tensor | None:
@@ -159,9 +162,11 @@ def describe_input(adapter) -> dict:
 def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     """Raises ValueError on every rank if the ranks were given different inputs.
 
-    ``gather(description) -> every rank's description`` is a collective (called once, now).
-    ``fit``, ``evaluate`` and ``predict`` take the *global* data on every rank and split each
-    batch themselves; data of different lengths would make the ranks run different numbers of
+    ``gather(description) -> every rank's description`` is a collective (called once, now;
+    once more when the inputs differ: every rank prints the error before any raises it, so
+    that each rank's output has it before the first to raise aborts the job). ``fit``,
+    ``evaluate`` and ``predict`` take the *global* data on every rank and split each batch
+    themselves; data of different lengths would make the ranks run different numbers of
     steps (or batches of different sizes) and fail later, far from the cause.
     """
     everyone = gather(description)
@@ -177,11 +182,14 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
                 text += f", the last of {d['last_batch']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
-    raise ValueError(
-        f"tf_poseidon: the ranks were given different data ({sides}). fit, evaluate and "
-        "predict take the same global data on every rank and give each rank its share of "
-        "every batch: pass the same arrays or dataset to every rank; to give each rank data of "
-        "its own, use strategy.distribute_datasets_from_function.")
+    message = (f"the ranks were given different data ({sides}). fit, evaluate and predict "
+               "take the same global data on every rank and give each rank its share of every "
+               "batch: pass the same arrays or dataset to every rank; to give each rank data "
+               "of its own, use strategy.distribute_datasets_from_function.")
+    sys.stderr.write(f"[tf_poseidon rank {world.rank()}] ValueError: {message}\n")
+    sys.stderr.flush()
+    gather(description)
+    raise ValueError(f"tf_poseidon: {message}")
 
 
 def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:

@@ -7,6 +7,11 @@
     slow_phases.py chief-long      rank 0 works alone for 600 s, sending heartbeats
     slow_phases.py chief-stopped   rank 0 stops its own process (SIGSTOP) in its work (and
                                    would then work for 600 s)
+    slow_phases.py exit-working DELAY
+                                   after a short fit, rank 0 works alone for DELAY s before
+                                   the end of its program, where rank 1 waits for it
+    slow_phases.py exit-stopped    ... rank 0 stops its own process (SIGSTOP) instead
+    slow_phases.py exit-stuck      ... rank 0 sleeps 600 s instead (alive, but not coming)
 
 The test sets TF_POSEIDON_TIMEOUT below DELAY. Prints "rank <r> fit <s> s", "rank <r>
 run_on_chief <s> s" (the chief's work as every rank saw it) and "rank <r> done".
@@ -54,7 +59,20 @@ def chief_work(seconds: float, stop: bool):
     return work
 
 
+def short_fit(model) -> None:
+    x = np.random.default_rng(0).normal(size=(256, 10)).astype("float32")
+    model.fit(x, (x[:, 0] > 0).astype("int32"), batch_size=64, epochs=1, verbose=0)
+
+
 def main(behaviour: str, delay: float) -> None:
+    if behaviour.startswith("exit-"):
+        short_fit(model_under(tp.PoseidonStrategy()))
+        print(f"rank {tp.rank()} done", flush=True)
+        if tp.rank() == 0:
+            if behaviour == "exit-stopped":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(delay if behaviour == "exit-working" else 600)
+        return
     if behaviour == "healthy":
         if tp.rank() == 1:
             time.sleep(delay)

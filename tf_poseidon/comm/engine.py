@@ -46,13 +46,14 @@ import dataclasses
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tf_poseidon import timeouts
+from tf_poseidon import timeouts, world
 from tf_poseidon.comm import stats as stats_lib
 from tf_poseidon.comm import timeline as timeline_lib
 from tf_poseidon.comm import agreement, autotune
@@ -473,7 +474,6 @@ def get_engine() -> CommEngine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            from tf_poseidon import world
             comm = world.mpi_comm()
             path = os.environ.get("TF_POSEIDON_TIMELINE")
             timeline = timeline_lib.Timeline(comm.Get_rank(), path) if path else None
@@ -486,10 +486,12 @@ def get_engine() -> CommEngine:
 
 def _end_of_program(engine: CommEngine) -> None:
     """At exit (main thread): ``engine.end_of_program()``; a mismatch or a timeout there makes
-    this rank print it and abort the job (an exception in an exit handler would exit with 0)."""
+    this rank print its cause as an uncaught exception's (world.py: the launcher repeats it)
+    and abort the job (an exception in an exit handler would exit with 0)."""
     try:
         engine.end_of_program()
     except (CollectiveMismatchError, CollectiveTimeoutError) as e:
-        import sys
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[tf_poseidon rank {engine.rank}] {world.ABORT_MARK} "
+                         f"{world.fault_summary(e)}\n")
+        sys.stderr.flush()
         engine.comm.Abort(1)
