@@ -1,7 +1,6 @@
-"""What collective agreement (tf_poseidon/comm/agreement.py) costs (docs/failures.md): one job
-times 2000 checks of a 4-bucket gradient signature (the slowest rank's mean); then Keras fit of
-an MLP of three Dense(--width) layers with the checks and with them replaced by a no-op, --rounds
-times interleaved, on this machine's loopback. Prints the check's time, each round's step times
+"""What collective agreement (tf_poseidon/comm/agreement.py) costs: 2000 checks alone, then an
+MLP's Keras fit with the checks and with them replaced by a no-op, --rounds times interleaved,
+on this machine's loopback (docs/failures.md). Prints the check's time, each round's step times
 and the median ratio with / without.
 """
 

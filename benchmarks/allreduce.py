@@ -1,11 +1,9 @@
-"""All-reduce times between emulated hosts: Open MPI's own (docs/cluster.md) and through
-tf_poseidon's codecs (docs/compression.md). Per bandwidth ("none": unshaped) a cluster of
---hosts hosts (--loopback: 2 ranks on one namespace's shaped ``lo``) times, per codec and after
-warm-ups, --repeats all-reduces of --megabytes MiB of float32 and --small-repeats of 1 KB, each
-after a barrier. ``mpi``: mpi4py's ``Allreduce`` under plain ``mpirun`` (--bind-to); a codec
-name: the engine's all-reduce through it, under tfposeidon-run. Prints per codec the slowest
-rank's median and best time, the speed-up over the first codec, the bytes each rank sends and
-their time at the link rate (the floor), and the 1 KB median.
+"""All-reduce times between emulated hosts: Open MPI's own (``--codecs mpi``, mpi4py's
+``Allreduce`` under plain ``mpirun``; docs/cluster.md) or the engine's through tf_poseidon's
+codecs (docs/compression.md); per codec the slowest rank's median and best time of --repeats
+all-reduces of --megabytes MiB after warm-ups, the speed-up over the first codec, the bytes each
+rank sends and their time at the link rate (the floor), and the median of --small-repeats of
+1 KB. --loopback: 2 ranks on one namespace's shaped ``lo`` instead of --hosts hosts.
 """
 
 import statistics

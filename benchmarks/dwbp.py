@@ -1,10 +1,7 @@
-"""Wait-free backprop (overlap=True) against communicating after the backward pass
-(docs/dwbp.md). On 2 emulated hosts Keras fit trains an MLP of --layers Dense(--width) whose
-gradient all-reduce takes about as long as its backward pass; per bucket size overlap=True and
-overlap=False run --repeats times, interleaved, and one process alone gives the compute-only
-step. Prints per bucket the median step time (rank 0's timed steps, then the median over the
-repeats), overlap / naive, the communication time per step and the fraction of it hidden behind
-the backward pass (strategy.stats()).
+"""Wait-free backprop (overlap=True) against communicating after the backward pass, per bucket
+size, on 2 emulated hosts (docs/dwbp.md): the median step of each (rank 0's timed steps, then
+over --repeats interleaved runs), their ratio, the communication time per step and the share of
+it hidden behind the backward pass (strategy.stats()); one process alone gives the compute.
 """
 
 import statistics

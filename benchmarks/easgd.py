@@ -1,16 +1,9 @@
-"""EASGD's communication and throughput against sync mode; async EASGD with a slow rank
-(docs/easgd.md).
-
-On emulated hosts Keras fit trains an MLP in sync mode (sfb="never": every gradient
-all-reduced; and with its defaults) and in both EASGD forms for each τ of --taus (α = 0.9/hosts).
-Per configuration and rank: bytes sent per step of fit (the engine's records, and async EASGD's
-exchange counters, rank 0's with the center holder's replies), mean step and samples/s over its
-own timed steps, and the throughput against sync mode with sfb="never". Then async EASGD (τ =
-the middle one of --taus) runs with one rank slowed 3× (it sleeps twice its unslowed mean step
-before each step), once the last rank and once rank 0, which holds the center, in --slow-repeats
-rounds that each also run it unslowed: each other rank's samples/s against the same round's
-unslowed run (goal ≥ 0.90). The same slowdown under sync mode and synchronous EASGD shows what
-waiting for the slowest rank costs.
+"""EASGD's communication and throughput against sync mode, and async EASGD with a slowed rank,
+on emulated hosts (docs/easgd.md): per configuration and rank the bytes sent per step of fit,
+mean step and samples/s, and the throughput against sync mode with every gradient all-reduced;
+then async EASGD (τ: the middle one of --taus) with the last rank or rank 0 (the center holder)
+sleeping twice its mean step before each step, in --slow-repeats rounds, each other rank's
+samples/s against the same round's unslowed run (goal ≥ 0.90).
 """
 
 import statistics

@@ -1,10 +1,6 @@
-"""Sufficient factor broadcasting (sfb="auto") against all-reduce (sfb="never") (docs/sfb.md).
-
-On emulated clusters of each --ranks hosts Keras fit trains VGG-16's classifier head
-(25088→4096→4096→1000, 123.6 M parameters) at --batch rows per rank; one process alone on the
-first cluster. Prints per world size and configuration the step time (the slowest rank's
-median), samples/s, bytes per step and rank (strategy.stats() and eth0), auto / never, and the
-plan "auto" made (runner.versus). A benchmark, not a test.
+"""Sufficient factor broadcasting (sfb="auto") against all-reduce (sfb="never") on VGG-16's
+classifier head, per number of emulated hosts, with one process alone for reference; docs/sfb.md
+("Benchmark") describes the set-up and each column. A benchmark, not a test.
 """
 
 import sys

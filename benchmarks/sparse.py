@@ -1,11 +1,6 @@
-"""Sparse embedding gradients gathered as rows against the dense all-reduce of the whole table
-(docs/synchronization.md).
-
-On emulated clusters of each --ranks hosts Keras fit trains the ``embedding`` model
-(benchmarks/models.py: Embedding(1_000_000, 64), 8 ids per example, then an MLP) with SGD.
-``sparse``: tf_poseidon's default (the plan gathers the rows each rank looked up); ``dense``:
-every gradient made dense before the optimizer applies it (Horovod's ``sparse_as_dense``: the
-table's 256 MB all-reduced every step). Prints what benchmarks/sfb.py prints, sparse / dense.
+"""Sparse embedding gradients gathered as rows (tf_poseidon's default) against the densified
+gradient all-reduced (Horovod's ``sparse_as_dense``) on an Embedding(1M, 64) model, per number
+of emulated hosts; docs/synchronization.md describes the set-up and each column.
 """
 
 import sys

@@ -1,12 +1,7 @@
-"""SSP (staleness 3) against sync, without a straggler and with one rank slowed (docs/ssp.md).
-
-Keras fit of an MLP of three Dense(--width) layers, --batch rows per rank, 10 warm-up and
---steps timed steps, on this machine's loopback, sync and SSP in turn under each straggler
-condition: ``none``; ``moving`` (one step in five one rank sleeps --delay s: rank 0, then 1,
-...); ``fixed`` (rank 0 every time). Prints samples/s from the first rank's start of the timed
-steps to the last rank's end (median of --repeats), SSP / sync as the median of the pairs'
-ratios, and for a moving straggler the simple model's (5c + d) / (5c + d/P), c the sync step
-without a straggler, d the delay.
+"""SSP (staleness 3) against sync on this machine's loopback, with no straggler, a moving one
+(one step in five a rank sleeps --delay s: rank 0, then 1, ...) or a fixed one (rank 0)
+(docs/ssp.md): samples/s of each (median of --repeats), SSP / sync as the median of the pairs'
+ratios, and for a moving straggler the model (5c + d) / (5c + d/P), c the sync step, d the delay.
 """
 
 import statistics
