@@ -159,25 +159,40 @@ def assert_resumed_like(reference, restarted, ranks: int) -> None:
     assert not (restarted / "backup").exists()
 
 
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory):
+    """Rank 0's npz of an uninterrupted P=2 run of ``checkpoint_train.py --plain``."""
+    out = tmp_path_factory.mktemp("plain")
+    check(run_job(2, "checkpoint_train.py", str(out), "--plain")[0])
+    return np.load(out / "plain_rank0.npz")
+
+
 @pytest.mark.multirank
-def test_restart_without_a_backup_says_it_starts_from_the_beginning(tmp_path):
-    # The same kill and restart with no BackupAndRestore in fit: the restarted job trains its
-    # 4 epochs again from the model's initial weights (it ends like an uninterrupted run), and
-    # rank 0 says so, once, when it first broadcasts its weights; the first launch does not.
-    reference, restarted = tmp_path / "reference", tmp_path / "restarted"
-    check(run_job(2, "checkpoint_train.py", str(reference), "--plain")[0])
-    output = launch_with_restart(["-np", "2"], [str(restarted), "--plain", "--kill-rank1-at",
-                                                "3:9"], tmp_path, mpi_args="--tag-output")
+@pytest.mark.parametrize("backup", [False, True], ids=["no BackupAndRestore", "no backup yet"])
+def test_a_restart_that_cannot_resume_says_it_starts_from_the_beginning(tmp_path, backup,
+                                                                       plain_reference):
+    # Rank 1 is SIGKILLed before the 3rd batch of epoch 1, when a BackupAndRestore has no
+    # backup yet, or in a fit without one. The restarted job trains its 4 epochs again from the
+    # model's initial weights (it ends like an uninterrupted run), and rank 0 says so, once:
+    # BackupAndRestore when it finds no backup, else the first broadcast of rank 0's weights.
+    restarted = tmp_path / "restarted"
+    how = ["--backup", str(restarted / "backup")] if backup else ["--plain"]
+    output = launch_with_restart(["-np", "2"], [str(restarted), *how, "--kill-rank1-at", "1:3"],
+                                 tmp_path, mpi_args="--tag-output")
     assert_restarted(output)
-    said = [line for line in output.split("\n") if FROM_SCRATCH in line]
-    assert len(said) == 1 and said[0].startswith("[1,0]<stderr>: "), output[-4000:]
-    assert output.index(said[0]) > output.index("tfposeidon-run: restarting the job")
-    expected = np.load(reference / "plain_rank0.npz")
+    said = (f"[1,0]<stdout>: tf_poseidon BackupAndRestore: restart 1 of the job but no backup "
+            f"in {restarted / 'backup'}: training starts from the beginning." if backup else
+            f"[1,0]<stderr>: {FROM_SCRATCH}")
+    lines = output.split("\n")
+    assert [line for line in lines if "training starts from the beginning" in line] == \
+        [line for line in lines if line.startswith(said)], output[-4000:]
+    assert output.count(said) == 1, output[-4000:]
+    assert output.index(said) > output.index("tfposeidon-run: restarting the job")
     for rank in (0, 1):
-        got = np.load(restarted / f"plain_rank{rank}.npz")
+        got = np.load(restarted / f"{'resumed' if backup else 'plain'}_rank{rank}.npz")
         assert len(got["loss"]) == EPOCHS
-        assert max_difference(got["loss"], expected["loss"]) <= TOLERANCE
-        assert max_difference(got["weights"], expected["weights"]) <= TOLERANCE
+        assert max_difference(got["loss"], plain_reference["loss"]) <= TOLERANCE
+        assert max_difference(got["weights"], plain_reference["weights"]) <= TOLERANCE
 
 
 @pytest.mark.cluster

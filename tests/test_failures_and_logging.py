@@ -176,6 +176,15 @@ def test_the_end_of_the_program_waits_for_a_working_rank_not_a_stuck_one(behavio
     assert seconds < 120, f"{seconds:.0f} s"
 
 
+@pytest.mark.multirank
+def test_work_that_fails_on_rank_0_raises_on_every_rank():
+    # Rank 0's own error on rank 0; on the others, that rank 0 failed (its output says why).
+    output = check(run_job(2, "slow_phases.py", "chief-fails", timeout=240)[0])
+    assert "rank 0 raised ValueError: the disk is full" in output, output[-3000:]
+    assert "rank 1 raised RuntimeError: rank 0 failed to do slow work; its output says why." \
+        in output, output[-3000:]
+
+
 def test_phase_limits_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("TF_POSEIDON_TIMEOUT", "30")
     assert timeouts.step_s() == 30

@@ -12,6 +12,9 @@
                                    the end of its program, where rank 1 waits for it
     slow_phases.py exit-stopped    ... rank 0 stops its own process (SIGSTOP) instead
     slow_phases.py exit-stuck      ... rank 0 sleeps 600 s instead (alive, but not coming)
+    slow_phases.py chief-fails     rank 0's work raises ValueError; every rank catches what
+                                   export.run_on_chief raised and prints "rank <r> raised
+                                   <type>: <message>"
 
 The test sets TF_POSEIDON_TIMEOUT below DELAY. Prints "rank <r> fit <s> s", "rank <r>
 run_on_chief <s> s" (the chief's work as every rank saw it) and "rank <r> done".
@@ -72,6 +75,14 @@ def main(behaviour: str, delay: float) -> None:
             if behaviour == "exit-stopped":
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(delay if behaviour == "exit-working" else 600)
+        return
+    if behaviour == "chief-fails":
+        def fail() -> int:
+            raise ValueError("the disk is full")
+        try:
+            export.run_on_chief(model_under(tp.PoseidonStrategy()), fail, "do slow work")
+        except (ValueError, RuntimeError) as e:
+            print(f"rank {tp.rank()} raised {type(e).__name__}: {e}", flush=True)
         return
     if behaviour == "healthy":
         if tp.rank() == 1:
