@@ -46,6 +46,10 @@ CONFIGS = [
     Config("sfb", "DWBP + sfb='auto' (PoseidonStrategy() defaults)", "poseidon"),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
            {"compression": "fp16"}),
+    Config("auto", "sfb='auto' + autotune=True: overlap tuned in the first steps", "poseidon",
+           {"autotune": True}),
+    Config("auto+fp16", "compression='fp16' + sfb='auto' + autotune=True: overlap and fp16 "
+           "or exact per bucket tuned", "poseidon", {"compression": "fp16", "autotune": True}),
     # start_step=0: the few steps timed are the compressed steady state, not the warm-up.
     Config("powersgd", "DWBP + lowrank=PowerSGD(rank=4): all-reduce, SFB or low-rank per layer",
            "poseidon", {"lowrank": {"rank": 4, "start_step": 0}}),
@@ -103,13 +107,15 @@ def busiest(r: dict | None) -> float | None:
 
 def derive(results: list[dict]) -> list[dict]:
     """Each result with ``compute_s`` (the one-process step), ``overhead`` (step ÷ compute_s),
-    ``vs_mwms``, ``vs_one_process`` (samples/s ratios), ``wire_bytes_per_step`` (the busiest
+    ``vs_mwms``, ``vs_one_process``, ``of_ceiling`` (samples/s ratios; the ceiling is the
+    concurrent row: P processes without communication), ``wire_bytes_per_step`` (the busiest
     host's), ``floor_s`` (max(compute_s, wire bytes ÷ link rate)), ``kind`` (the
     configuration's) and ``notes``; sorted by model, ranks, bandwidth, configuration."""
     rows, order = [], list(CONFIG_BY_NAME)
     for r in results:
         single = find(results, r["model"], "single")
         mwms = find(results, r["model"], "mwms", r["ranks"], r["bandwidth"])
+        concurrent = find(results, r["model"], "concurrent", r["ranks"], r["bandwidth"])
         kind = CONFIG_BY_NAME[r["config"]].kind if r["config"] in CONFIG_BY_NAME else ""
         compute_s = single["step_s"] if _ok(single) else None
         wire, bits, ok = busiest(r), rate_bits(r["bandwidth"]), _ok(r)
@@ -121,6 +127,8 @@ def derive(results: list[dict]) -> list[dict]:
             if kind in ("mwms", "poseidon") and ok and _ok(mwms) else None,
             "vs_one_process": r["samples_per_s"] / single["samples_per_s"]
             if ok and _ok(single) else None,
+            "of_ceiling": r["samples_per_s"] / concurrent["samples_per_s"]
+            if kind in ("mwms", "poseidon") and ok and _ok(concurrent) else None,
             "floor_s": max(floor) if ok and floor else None, "notes": _notes(results, r, wire)})
     return sorted(rows, key=lambda r: (*_place(r["model"], r["ranks"], r["bandwidth"]),
                                        order.index(r["config"]) if r["config"] in order else 99))
@@ -200,12 +208,29 @@ def _goal(g: dict, key: str, sense: str) -> str:
 def result_table(rows: list[dict]) -> list[str]:
     """:func:`derive`'s rows as a table."""
     return table(["model", "hosts × link", "configuration", "samples/s", "step s",
-                  "× compute", "× MWMS", "wire MB/step", "floor s", "load", "notes"], [
+                  "× compute", "× MWMS", "of ceiling", "wire MB/step", "floor s",
+                  "peak MB/rank", "load", "notes"], [
         [_title(r["model"]), link_label(r["bandwidth"], r["ranks"]), r["config"],
          _num(r.get("samples_per_s"), ".1f"), _num(r.get("step_s"), ".3f"),
          _num(r["overhead"], ".2f", "×"), _num(r["vs_mwms"], ".2f", "×"),
+         _num(r["of_ceiling"], ".2f"),
          _num(r["wire_bytes_per_step"] and r["wire_bytes_per_step"] / 1e6, ".1f"),
-         _num(r["floor_s"], ".3f"), _num(r.get("loadavg"), ".1f"), r["notes"]] for r in rows])
+         _num(r["floor_s"], ".3f"), _num(r.get("peak_rss_bytes") and r["peak_rss_bytes"] / 1e6,
+                                         ".0f"),
+         _num(r.get("loadavg"), ".1f"), r["notes"]] for r in rows])
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """The step profiles of :func:`derive`'s rows that have one (rank 0's; ms per step of
+    each phase of tf_poseidon.profiling), or no lines."""
+    from tf_poseidon.profiling import PHASES
+    profiled = [r for r in rows if r.get("profile")]
+    return table(["model", "hosts × link", "configuration", "step ms (profiled)",
+                  *[f"{p} ms" for p in PHASES]], [
+        [_title(r["model"]), link_label(r["bandwidth"], r["ranks"]), r["config"],
+         _num(r["profile"]["step_s"] * 1e3, ".0f"),
+         *[_num(r["profile"]["phases"].get(p, 0.0) * 1e3, ".0f") for p in PHASES]]
+        for r in profiled]) if profiled else []
 
 
 def goal_table(goal_rows: list[dict]) -> list[str]:
@@ -250,6 +275,10 @@ def markdown(run: dict) -> str:
            "ranks' own threads (see the load column). They understate what the "
            "configurations do with a core or more per rank, the compute-heavy CNNs most.", ""]
           if busy else []),
+        *(["## Where the step time goes", "", "Rank 0's profile of steps after the timed "
+           "ones (tf_poseidon.profiling.StepProfiler: ms per step; TensorFlow phases are op "
+           "time summed over its threads, wire and engine queue the engine thread's).", "",
+           *profile_table(rows), ""] if profile_table(rows) else []),
         "## Goals", "", "Best tf_poseidon configuration at each number of hosts and link; "
         "targets: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "
         "process, step time ≤ 1.2× the compute-only step.", "", *goal_table(goals(rows)), "",

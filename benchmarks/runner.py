@@ -146,7 +146,8 @@ def aggregate(per_rank: list[dict]) -> dict:
     counts for no more than the job finishes), ``span_samples_per_s`` (the same samples from
     the earliest start to the latest end), ``step_s`` (the slowest rank's window over its
     steps), ``step_median_s`` (the largest of the ranks' median steps), each host's
-    ``tx_bytes_per_step`` (None: no counter), and tf_poseidon's ``engine_bytes_per_step`` (the
+    ``tx_bytes_per_step`` (None: no counter), ``peak_rss_bytes`` (the largest rank's),
+    rank 0's step ``profile`` (if profiled), and tf_poseidon's ``engine_bytes_per_step`` (the
     busiest rank's) and ``hidden_fraction`` of communication (the ranks' mean)."""
     per_rank = sorted(per_rank, key=lambda r: r["rank"])
     slowest = max(per_rank, key=lambda r: r["window_s"])
@@ -162,6 +163,8 @@ def aggregate(per_rank: list[dict]) -> dict:
             "loadavg": max(r["loadavg"] for r in per_rank),
             "tx_bytes_per_step": [r["tx_bytes"] / r["steps"] if "tx_bytes" in r else None
                                   for r in per_rank],
+            "peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in per_rank) or None,
+            **({"profile": per_rank[0]["profile"]} if "profile" in per_rank[0] else {}),
             **({"engine_bytes_per_step": max((s["bytes_sent"] for s in stats
                                               if s.get("bytes_sent") is not None), default=None),
                 "hidden_fraction": statistics.fmean(hidden) if hidden else None}

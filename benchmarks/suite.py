@@ -44,10 +44,16 @@ def precheck(config: Config, ranks: int) -> tuple[str, str] | None:
 
 
 def job_for(config: Config, model: str, ranks: int, settings: dict) -> runner.Job:
-    """The job of ``config`` (concurrent: P single processes under mpirun)."""
+    """The job of ``config`` (concurrent: P single processes under mpirun); an autotuned
+    configuration warms up for its trials too (comm/autotune.py: trial_steps)."""
+    from tf_poseidon.comm import autotune
+    options = config.kwargs_for(ranks) if config.kind == "poseidon" else None
+    warmup = settings["warmup"] + (autotune.trial_steps(
+        options.get("compression", "none") != "none") if (options or {}).get("autotune") else 0)
     return runner.Job("single" if config.kind == "concurrent" else config.kind, ranks,
-                      {"model": model} | {k: settings[k] for k in ("batch", "warmup", "steps")},
-                      config.kwargs_for(ranks) if config.kind == "poseidon" else None)
+                      {"model": model, "batch": settings["batch"], "warmup": warmup,
+                       "steps": settings["steps"], "profile": settings.get("profile", 0)},
+                      options)
 
 
 def plan(settings: dict) -> list[tuple[int, str | None, str, Config]]:
@@ -181,6 +187,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (>= 1); 1")
     p.add_argument("--steps", type=int, default=4, help="timed steps; 4")
     p.add_argument("--batch", type=int, default=32, help="rows per rank per step; 32")
+    p.add_argument("--profile", type=int, default=0, help="steps profiled after the timed ones "
+                   "(tf_poseidon.profiling: where the step's time goes); 0")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration; 900")
     p.add_argument("--out", default=os.path.join(runner.ROOT, "docs"),
                    help="for benchmarks.md, benchmarks.png and benchmarks/results.json; docs/")
@@ -198,6 +206,7 @@ def settings_from(args: argparse.Namespace) -> dict:
     s = {"models": args.models, "ranks": args.ranks or [2, 4],
          "bandwidths": [None if b == "none" else b for b in args.bandwidths or ["1gbit", "10gbit"]],
          "configs": args.configs, "warmup": args.warmup, "steps": args.steps,
+         "profile": args.profile,
          "batch": args.batch, "timeout": args.timeout,
          "logs": os.path.abspath(args.logs) if args.logs else None,
          "skip": [] if args.ranks or args.bandwidths else [(4, "10gbit")]}

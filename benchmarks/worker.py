@@ -11,13 +11,15 @@
 - ``agreement``: ``--repeats`` collective agreement checks (tf_poseidon/comm/agreement.py).
 
 The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD, timed by
-one step clock (:class:`Clock`). Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0
+one step clock (:class:`Clock`), then profile ``--profile`` more steps (tf_poseidon.profiling:
+seconds per phase of a step). Every result holds the rank's peak resident memory. Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0
 appends progress lines to ``DIR/progress``.
 """
 
 import argparse
 import json
 import os
+import resource
 import socket
 import sys
 import time
@@ -68,6 +70,8 @@ class Clock:
             time.sleep(a.delay)
 
     def after_step(self) -> None:
+        if len(self.ends) == self.args.warmup + self.args.steps:
+            return  # a profiled step (--profile), after the timed ones
         self.ends.append(time.perf_counter())
         self.sent.append(tx_bytes(self.args.nic) if self.args.nic else None)
         done, w = len(self.ends), self.args.warmup
@@ -79,7 +83,8 @@ class Clock:
         a, w = self.args, self.args.warmup  # >= 1: the first step traces; it is never timed
         result = {"kind": a.kind, "rank": self.rank, "size": self.size, "status": status,
                   "message": message, "host": socket.gethostname(), "batch": a.batch,
-                  "warmup": w, "loadavg": os.getloadavg()[0]}
+                  "warmup": w, "loadavg": os.getloadavg()[0],
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         if status == "ok" and self.ends:
             first, timed = self.ends[w - 1], self.ends[w:]
             result.update(steps=len(timed), window_s=timed[-1] - first, start_s=first,
@@ -115,10 +120,16 @@ def model_and_data(args, rows: int, seed: int = 0, compiled: bool = True):
     return model, models.synthetic_batch(spec, rows, seed)
 
 
-def fit(model, batch, clock: Clock) -> None:
-    """Keras fit of ``model`` on ``batch`` fed every step, clocked."""
+def fit(model, batch, clock: Clock) -> dict:
+    """Keras fit of ``model`` on ``batch`` fed every step, clocked; then ``--profile`` more
+    steps profiled (tf_poseidon.profiling). Returns ``{"profile": phases}`` or {}."""
     import keras
     import tensorflow as tf
+
+    a, profiler = clock.args, None
+    if a.profile:
+        from tf_poseidon.profiling import StepProfiler
+        profiler = StepProfiler(a.warmup + a.steps, a.profile, verbose=False)
 
     class StepClock(keras.callbacks.Callback):
         # Overriding a batch hook makes Keras call it synchronously with the step's logs
@@ -130,15 +141,15 @@ def fit(model, batch, clock: Clock) -> None:
             clock.after_step()
 
     clock.begin()
-    model.fit(tf.data.Dataset.from_tensors(batch).repeat(clock.args.warmup + clock.args.steps),
-              epochs=1, verbose=0, callbacks=[StepClock()])
+    model.fit(tf.data.Dataset.from_tensors(batch).repeat(a.warmup + a.steps + a.profile),
+              epochs=1, verbose=0, callbacks=[StepClock()] + [profiler] * bool(profiler))
+    return {"profile": profiler.profile.as_dict()} if profiler and profiler.profile else {}
 
 
 def run_fit(args, clock: Clock) -> None:
     """The ``single`` and ``poseidon`` kinds."""
     if args.kind == "single":
-        fit(*model_and_data(args, args.batch), clock)
-        return clock.write()
+        return clock.write(**fit(*model_and_data(args, args.batch), clock))
     import tf_poseidon as tp  # first: it sizes TensorFlow's thread pools before TF starts
     if args.no_agreement:  # the ranks' collective agreement checks become no-ops
         from tf_poseidon.comm import agreement
@@ -149,7 +160,7 @@ def run_fit(args, clock: Clock) -> None:
         return clock.write("not available", str(e))
     with strategy.scope():
         model, batch = model_and_data(args, clock.size * args.batch)  # global batches
-    fit(model, batch, clock)
+    profile = fit(model, batch, clock)
     try:  # the statistics are extra information, never a reason to fail
         report = strategy.stats(args.steps)
         extra = {"poseidon_stats": report["summary"], "mode_stats": report.get("mode"),
@@ -157,7 +168,7 @@ def run_fit(args, clock: Clock) -> None:
                      r.bytes_sent for r in strategy.extended.engine.stats.records())}
     except Exception as e:
         extra = {"poseidon_stats_error": repr(e)}
-    clock.write(**extra)
+    clock.write(**extra, **profile)
 
 
 def run_mwms(args, clock: Clock) -> None:
@@ -278,7 +289,8 @@ def main(argv=None) -> int:
     for flag in ("dense-gradients", "no-agreement"):
         p.add_argument(f"--{flag}", action="store_true")
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
-                          ("steps", 4), ("every", 1), ("repeats", 5), ("small-repeats", 500),
+                          ("steps", 4), ("profile", 0), ("every", 1), ("repeats", 5),
+                          ("small-repeats", 500),
                           ("delay", 0.1), ("megabytes", 64.0), ("nic", ""),
                           ("peers", ""), ("peer-hosts", "")):  # mwms: every worker's address
         p.add_argument(f"--{flag}", type=type(default), default=default)

@@ -202,3 +202,21 @@ def test_strategy_option_is_checked():
     assert StrategyConfig().autotune is False
     with pytest.raises(ValueError, match="autotune='yes' is not valid"):
         StrategyConfig(autotune="yes")
+
+
+@pytest.mark.parametrize("codec,tune_overlap", [("none", True), ("fp16", True),
+                                                ("fp16", False), ("none", False)])
+def test_trial_steps_bound_the_trials(codec, tune_overlap):
+    # Step times that differ per candidate (so a mixed candidate is tried with fp16).
+    def bucket_time(index, name):
+        return {(0, "fp16"): 0.1, (1, "none"): 0.1}.get((index, name), 0.3)
+
+    results = drive(LoopbackWorld(2), FLOAT_LAYOUT, codecs.get(codec),
+                    lambda rank, s: 1.0 + 0.1 * (not s.overlap), bucket_time, steps=30,
+                    tune_overlap=tune_overlap)
+    used, tuner = results[0]
+    bound = autotune.trial_steps(codec != "none", tune_overlap)
+    assert tuner.report()[0]["state"] == "chosen"
+    assert all(s == used[bound] for s in used[bound:])
+    if codec != "none":  # the bound is reached: all three codec candidates were tried
+        assert len(tuner.report()[0]["candidates"]) == 3 * (2 if tune_overlap else 1)

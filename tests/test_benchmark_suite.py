@@ -209,7 +209,8 @@ def test_worker_records_not_implemented_as_not_available(tmp_path, monkeypatch):
 
 @pytest.mark.multirank
 def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
-    """One step of the tiny model on loopback: reference, MWMS and tf_poseidon DWBP."""
+    """One step of the tiny model on loopback: reference, MWMS, tf_poseidon DWBP and
+    autotuned (warmed up through its trials), each tf_poseidon one profiled for a step."""
     # `python -m benchmarks.suite` as users run it, but from a directory that holds only the
     # benchmarks package: the suite and its ranks then import the same tf_poseidon as this
     # test process (the installed one in CI's installed-package run, not the checkout's).
@@ -217,8 +218,9 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
     out = tmp_path / "out"  # not tmp_path: its benchmarks/ is the package
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.suite", "--no-netns", "--models", "tiny",
-         "--ranks", "2", "--configs", "single", "mwms", "dwbp", "--warmup", "1", "--steps",
-         "1", "--timeout", "240", "--out", str(out), "--logs", str(tmp_path / "logs")],
+         "--ranks", "2", "--configs", "single", "mwms", "dwbp", "auto", "--warmup", "1",
+         "--steps", "1", "--profile", "1", "--timeout", "240", "--out", str(out), "--logs",
+         str(tmp_path / "logs")],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [os.environ.get("PYTHONPATH"), plotting_path]))})
@@ -226,10 +228,14 @@ def test_tiny_unshaped_run_end_to_end(tmp_path, plotting_path):
     run = json.loads((out / "benchmarks" / "results.json").read_text())
     assert run["status"] == "complete"
     by_config = {r["config"]: r for r in run["results"]}
-    assert set(by_config) == {"single", "mwms", "dwbp"}
+    assert set(by_config) == {"single", "mwms", "dwbp", "auto"}
     for r in by_config.values():
         assert r["status"] == "ok", r
-        assert r["samples_per_s"] > 0 and r["steps"] == 1
+        assert r["samples_per_s"] > 0 and r["steps"] == 1 and r["peak_rss_bytes"] > 1e8
     assert by_config["dwbp"]["ranks"] == 2 and len(by_config["dwbp"]["hosts"]) == 2
+    for config in ("single", "dwbp", "auto"):
+        phases = by_config[config]["profile"]["phases"]
+        assert phases["compute"] > 0 and (config == "single") == (phases["wire"] == 0), phases
+    assert "Where the step time goes" in (out / "benchmarks.md").read_text()
     assert "Goals (best tf_poseidon configuration)" in done.stdout
     assert (out / "benchmarks.md").exists() and (out / "benchmarks.png").exists()

@@ -30,7 +30,7 @@ order). Trials, in rounds so that slow phases of the machine hit every candidate
 
 The agreements are small all-reduces (MAX) on the engine thread at the start of a step, so
 every rank chooses the same setting. The trials take ``warmup + rounds · (candidates)`` steps,
-at most 2 + 3·6 = 20. A retrace that changes the buckets (another layout) starts its own
+at most 2 + 3·6 = 20 (:func:`trial_steps`). A retrace that changes the buckets (another layout) starts its own
 trials; what was tried and chosen is ``report()`` (``strategy.stats()["autotune"]``).
 """
 
@@ -171,6 +171,15 @@ def _slowest(comm, values: Sequence[float]) -> list[float]:
     if array.size:
         comm.Allreduce(collectives.mpi().IN_PLACE, array, op=collectives.mpi().MAX)
     return [float(v) for v in array]
+
+
+def trial_steps(lossy_codec: bool, tune_overlap: bool = True, rounds: int = DEFAULT_ROUNDS,
+                warmup: int = DEFAULT_WARMUP) -> int:
+    """The most steps the trials of one bucket layout take before the choice: the warm-up,
+    then ``rounds`` of every candidate (the mixed ones included)."""
+    overlaps = 2 if tune_overlap else 1
+    codecs_tried = 3 if lossy_codec else 1  # the codec, the exact sum, the mix
+    return warmup + rounds * overlaps * codecs_tried
 
 
 class GradientTuner:
