@@ -1,0 +1,59 @@
+"""sacp/step_model.py: the layers of a Keras model, the bytes of each protocol by the cost
+model's formulas, and the schedule's limits (no communication: the compute; naive: compute
+plus every message; overlap never slower than naive)."""
+
+import math
+
+import keras
+import pytest
+
+from tf_poseidon.sacp import step_model
+
+FAST = step_model.Machine(bandwidth_bytes_s=math.inf, latency_s=0.0, flops_s=math.inf,
+                          convert_bytes_s=math.inf)
+LINK = step_model.Machine(bandwidth_bytes_s=1e8, latency_s=1e-4, flops_s=1e10,
+                          convert_bytes_s=1e9)
+
+
+def mlp():
+    return keras.Sequential([keras.Input((100,)), keras.layers.Dense(300),
+                             keras.layers.Dense(10)])
+
+
+def test_layers_of_a_model():
+    layers = step_model.layers_of(mlp())
+    assert [(l.elements, l.matrix, l.sfb_rows) for l in layers] == [
+        (30000, (100, 300), 1), (300, None, 0), (3000, (300, 10), 1), (10, None, 0)]
+    kernel, bias = layers[0], layers[1]
+    assert kernel.flops + bias.flops == pytest.approx(2 * 100 * 300)
+    conv = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, padding="same")])
+    [kernel, _] = step_model.layers_of(conv)
+    assert kernel.matrix == (27, 4) and kernel.sfb_rows == 0
+    # 2 flops per kernel element and output position, the kernel's share by elements.
+    assert kernel.flops == pytest.approx(2 * 108 * 64 * 108 / (108 + 4))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bytes_follow_the_cost_model(ranks):
+    layers, p = step_model.layers_of(mlp()), ranks
+    elements = 30000 + 300 + 3000 + 10
+    ring = 2 * (p - 1) / p
+    assert step_model.estimate(layers, "allreduce", p, 8, 1.0, LINK).bytes_per_rank == \
+        pytest.approx(ring * elements * 4)
+    assert step_model.estimate(layers, "fp16", p, 8, 1.0, LINK).bytes_per_rank == \
+        pytest.approx(ring * elements * 2)
+    sfb = step_model.estimate(layers, "sfb", p, 8, 1.0, LINK).bytes_per_rank
+    # The 100x300 kernel by SFB ((P-1)·K·(M+N)·4), the rest all-reduced.
+    assert sfb == pytest.approx((p - 1) * 8 * 400 * 4 + ring * (300 + 3000 + 10) * 4)
+
+
+def test_schedule_limits():
+    layers = step_model.layers_of(mlp())
+    for protocol in step_model.PROTOCOLS:
+        assert step_model.estimate(layers, protocol, 4, 8, 0.5, FAST).step_s == \
+            pytest.approx(0.5)
+        naive = step_model.estimate(layers, "naive", 4, 8, 0.5, LINK)
+        assert naive.step_s == pytest.approx(0.5 + naive.comm_s)
+        assert step_model.estimate(layers, "allreduce", 4, 8, 0.5, LINK).step_s <= naive.step_s
+    with pytest.raises(ValueError, match="protocol 'ring'"):
+        step_model.estimate(layers, "ring", 2, 8, 0.5, LINK)
