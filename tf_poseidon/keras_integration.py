@@ -63,7 +63,12 @@ original unchanged:
     metric updates) into clusters around the communication ops, which run as ordinary ops
     (``predict`` needs nothing: Keras compiles only its ``predict_step`` and gathers the
     outputs outside). The backward pass then ends as one compiled cluster, so every bucket
-    is handed to the engine when all gradients exist (no overlap with backprop);
+    is handed to the engine when all gradients exist (no overlap with backprop). A model
+    that computes in 16-bit floats (a ``mixed_float16``/``mixed_bfloat16`` policy) is refused
+    at its first ``fit``/``evaluate``: where 16-bit values are rounded depends on how XLA
+    fuses the step, and clusters around the communication ops fuse differently from one
+    process's whole-step function, so P ranks would not give one process's results
+    (docs/synchronization.md);
 * ``fit`` first checks that the model was built and compiled under the strategy's scope
   (scope_check.py), and ends with ``strategy.drain()`` (SSP applies its pending updates);
   ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
@@ -366,6 +371,8 @@ def _make_function(original):
         if extended is None:
             return original(self, step_function)
         compile_step = bool(self.jit_compile) and not self.run_eagerly
+        if compile_step:
+            _refuse_xla_in_16_bits(self, extended._num_replicas_in_sync)
         training = step_function == self.train_step  # make_train_function's step
 
         def step(data):
@@ -386,6 +393,21 @@ def _make_function(original):
         finally:
             self._jit_compile = outer
     return wrapper
+
+
+def _refuse_xla_in_16_bits(model, ranks: int) -> None:
+    """Raises ValueError naming ``jit_compile`` if a layer of ``model`` computes in float16 or
+    bfloat16 (module docstring: XLA)."""
+    low = sorted({layer.compute_dtype for layer in model._flatten_layers()
+                  if layer.compute_dtype in ("float16", "bfloat16")})
+    if low:
+        raise ValueError(
+            f"tf_poseidon: compile(jit_compile=True) is not supported with {'/'.join(low)} "
+            f"compute (mixed precision) on {ranks} "
+            "ranks: XLA would compile the step in clusters around the communication, which "
+            "round 16-bit values at other places than one process's compiled step, so the "
+            "ranks would not train like one process. Compile with jit_compile=False, or keep "
+            "jit_compile=True with the float32 policy.")
 
 
 def _reduce_per_replica(original):

@@ -10,17 +10,26 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
   transformer  encoder block: Embedding, MultiHeadAttention, LayerNormalization, Dense on 3-D
                inputs, Dropout; SGD with momentum
   rnn          GRU + LSTM sequence classifier, trained with class_weight
-  wide_deep    a wide linear part and a deep part over one large Embedding (sparse gradients),
-               Adam; wide_deep_sgd the same with plain SGD
-  mp_cnn       a CNN under the mixed_float16 policy (LossScaleOptimizer)
-  accum        an MLP with gradient_accumulation_steps=2; the last global batch has one row,
-               so a rank's last micro-batch is empty
+  wide_deep    a wide linear part and a deep part over one large Embedding (sparse gradients,
+               ids repeated within every global batch), Adam; wide_deep_sgd the same with plain
+               SGD. The last global batch has one row: ranks without rows at P=2 and 3
+  mp_cnn       a CNN under the mixed_float16 policy (LossScaleOptimizer); the last global
+               batch of 29 rows is split unevenly at P=2 and 3
+  mp_mlp       an MLP under the mixed_float16 policy, SGD with momentum; the last global batch
+               has one row (ranks without rows)
+  accum        the MLP with Adam(gradient_accumulation_steps=2); the last global batch has one
+               row, so a rank's last micro-batch is empty; accum_sgd the same with SGD
   two_io       two inputs, two outputs, per-output losses and loss_weights, sample_weight
+  bn_mlp       Dense + BatchNormalization (Conv2D refuses empty batches), the first BN layer
+               ("input_norm") on the input features, SGD with momentum: 65 rows at a global
+               batch of 16, so the last batch of every epoch has one row and P-1 ranks none;
+               bn_mlp_synced the same built with BatchNormalization(synchronized=True)
 
 Variants: sync (mode="sync", sfb="auto"), sbn (sync + sync_batchnorm=True), always
-(sfb="always"), reordered (sync, rows reversed within every global batch: the same training
-up to summation order, which shows how closely one process reproduces itself), and, trained
-for the first 12 steps only, fp16 (compression="fp16"), ssp (mode="ssp", staleness 1) and
+(sfb="always"), xla and sbnxla (sync and sbn with compile(jit_compile=True)), sliced2 and
+sliced3 (one process only: each global batch's gradient summed from the gradients of the row
+slices that 2 or 3 ranks take, see sliced_train_step), and, trained for the first 12 steps
+only, fp16 (compression="fp16"), ssp (mode="ssp", staleness 1) and
 easgd (mode="easgd", tau 2, alpha 0.9/P).
 
 Every rank seeds with 1000·rank + a fixed seed, so rank 0 seeds as a single process does and
@@ -28,14 +37,20 @@ rank 0's initial values must reach the others. The Transformer's Dropout draws o
 rows of a batch (noise_shape (1, 1, d)): its shape does not depend on how many rows a rank
 has, so with rank 0's seed generator state every rank and one process drop the same units.
 
-Writes OUT/<entry>_rank<r>.npz: ``trainable``, ``non_trainable`` (concatenated, read inside
-the strategy's consistent_state), ``trainable_step12`` and ``non_trainable_step12`` (the same
-after the first 12 steps, where there are as many), ``loss`` (per epoch), ``evaluation`` and
-``initial_evaluation`` (before training; both sorted by metric name), ``predict_<output>``,
-``plan`` (sync variant, P > 1: "<variable> <protocol>" per row of strategy.plan()) and, for
-the sync-mode variants, ``export_<output>``
-(the exported SavedModel's serving signature run on the predict inputs; rank 0, which writes
-it). An entry that raises writes OUT/<entry>_rank<r>.error with the traceback instead.
+Writes OUT/<entry>_rank<r>.npz: ``trainable``, ``non_trainable`` and ``optimizer`` (the
+optimizer's variables; each concatenated, read inside the strategy's consistent_state, as
+saving does), ``input_norm_moving_mean`` (models with such a layer), ``trainable_step12`` and
+``non_trainable_step12`` (the same after the first 12 steps, where there are as many) and
+``non_trainable_local_step12`` (the same, read before consistent_state: this rank's own),
+``loss`` (per epoch), ``evaluation`` and ``initial_evaluation`` (before training; both sorted
+by metric name), ``predict_<output>`` (model.predict: every rank's rows, gathered),
+``own_<output>`` (this rank's model called on the same inputs in global batches, no
+communication),
+``plan`` and ``plan_reason`` (P > 1, where the algorithm has a per-layer plan: per row of
+strategy.plan(), "<variable> <protocol>" and the reason of the choice), ``repeated_ids`` (wide_deep: per global batch, lookups minus distinct
+ids) and, for the sync-mode variants, ``export_<output>`` (the exported SavedModel's serving
+signature run on the predict inputs; rank 0, which writes it). An entry that raises writes
+OUT/<entry>_rank<r>.error with the traceback instead.
 """
 
 import os
@@ -86,15 +101,17 @@ def sequence_data():
 
 def wide_deep_data():
     rng = np.random.default_rng(3)
-    ids = rng.zipf(1.3, size=(352, 4)) % 20000  # skewed ids: repeats within a batch
+    # 11 global batches of 32 and one of 1 row; skewed ids: repeats within a batch.
+    ids = (rng.zipf(1.3, size=(353, 4)) % 20000).astype("int32")
     y = (ids % 7 < 3).any(1).astype("float32")[:, None]
-    return {"x": ids.astype("int32"), "y": y, "x_test": ids[:100].astype("int32"),
-            "y_test": y[:100], "batch": 32, "epochs": 1}
+    repeated = [ids[i:i + 32].size - np.unique(ids[i:i + 32]).size for i in range(0, 353, 32)]
+    return {"x": ids, "y": y, "x_test": ids[:100], "y_test": y[:100], "batch": 32, "epochs": 1,
+            "saved": {"repeated_ids": np.array(repeated)}}
 
 
 def image_data():
     rng = np.random.default_rng(4)
-    x = rng.normal(size=(352, 8, 8, 2)).astype("float32")
+    x = rng.normal(size=(349, 8, 8, 2)).astype("float32")  # the last global batch: 29 rows
     y = (x[..., 0].mean((1, 2)) > 0).astype("int32") + (x[..., 1].mean((1, 2)) > 0.1)
     return {"x": x, "y": y.astype("int32"), "x_test": x[:100], "y_test": y[:100].astype("int32"),
             "batch": 32, "epochs": 1}
@@ -107,6 +124,16 @@ def mlp_data():
     x = rng.normal(size=(289, 10)).astype("float32")
     y = (x[:, :3].sum(1) > 0).astype("int32")
     return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 32, "epochs": 1}
+
+
+def bn_rows():
+    rng = np.random.default_rng(7)
+    # 65 training rows at a global batch of 16: the last batch of each epoch has one row.
+    x = (rng.normal(size=(105, 6)) * [1, 2, 0.5, 1, 3, 1] + [0, 1, -2, 0.5, 0, 4]).astype(
+        "float32")
+    y = np.digitize(x[:, 0] + 0.5 * x[:, 1] - x[:, 2], [-1.0, 1.5]).astype("int32")
+    return {"x": x[:65], "y": y[:65], "x_test": x[65:], "y_test": y[65:], "batch": 16,
+            "epochs": 3}
 
 
 def two_io_data():
@@ -187,33 +214,57 @@ def wide_deep(optimizer=None):
     return model
 
 
-def mp_cnn():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        inputs = keras.Input((8, 8, 2), name="image")
-        x = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
-        x = keras.layers.Conv2D(8, 3, activation="relu")(x)
-        x = keras.layers.Flatten()(x)
-        logits = keras.layers.Dense(3)(x)
-        outputs = keras.layers.Activation("linear", dtype="float32", name="label")(logits)
-        model = keras.Model(inputs, outputs)
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-    return model
-
-
-def accum():
-    inputs = keras.Input((10,), name="features")
-    x = keras.layers.Dense(16, activation="tanh")(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(2, name="label")(x))
-    model.compile(optimizer=keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+def classifier(inputs, logits, optimizer) -> keras.Model:
+    """``inputs`` -> ``logits`` (float32 whatever the policy) compiled with ``optimizer`` and
+    sparse categorical cross-entropy."""
+    outputs = keras.layers.Activation("linear", dtype="float32", name="label")(logits)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
+
+
+def cnn():
+    inputs = keras.Input((8, 8, 2), name="image")
+    x = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    x = keras.layers.Conv2D(8, 3, activation="relu")(x)
+    x = keras.layers.Flatten()(x)
+    return classifier(inputs, keras.layers.Dense(3)(x),
+                      keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+def mlp(optimizer):
+    inputs = keras.Input((10,), name="features")
+    x = keras.layers.Dense(16, activation="tanh")(inputs)
+    return classifier(inputs, keras.layers.Dense(2)(x), optimizer)
+
+
+def mixed_precision(build):
+    """``build`` under the mixed_float16 policy (restored to float32 after), which wraps the
+    optimizer in a LossScaleOptimizer."""
+    def built():
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            model = build()
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        return model
+    return built
+
+
+def bn_mlp(synchronized: bool = False):
+    def norm(name=None):
+        return keras.layers.BatchNormalization(momentum=0.8, synchronized=synchronized,
+                                               name=name)
+
+    inputs = keras.Input((6,), name="features")
+    x = norm("input_norm")(inputs)  # depends on the data only: its moving mean is exact
+    x = keras.layers.Dense(16, use_bias=False)(x)
+    x = keras.layers.Activation("swish")(norm()(x))
+    return classifier(inputs, keras.layers.Dense(3)(x),
+                      keras.optimizers.SGD(0.05, momentum=0.9))
 
 
 def two_io():
@@ -235,18 +286,28 @@ def two_io():
 MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
           "rnn": (rnn, sequence_data), "wide_deep": (wide_deep, wide_deep_data),
           "wide_deep_sgd": (lambda: wide_deep(keras.optimizers.SGD(0.5)), wide_deep_data),
-          "mp_cnn": (mp_cnn, image_data), "accum": (accum, mlp_data),
-          "two_io": (two_io, two_io_data)}
+          "mp_cnn": (mixed_precision(cnn), image_data),
+          "mp_mlp": (mixed_precision(lambda: mlp(keras.optimizers.SGD(0.05, momentum=0.9))),
+                     mlp_data),
+          "accum": (lambda: mlp(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)),
+                    mlp_data),
+          "accum_sgd": (lambda: mlp(keras.optimizers.SGD(0.1, momentum=0.9,
+                                                         gradient_accumulation_steps=2)),
+                        mlp_data),
+          "two_io": (two_io, two_io_data), "bn_mlp": (bn_mlp, bn_rows),
+          "bn_mlp_synced": (lambda: bn_mlp(synchronized=True), bn_rows)}
 
 
 SHORT = ("fp16", "ssp", "easgd")
 SHORT_STEPS = 12
-EXPORTED = ("sync", "sbn", "always", "reordered")
+JIT = ("xla", "sbnxla")
+SLICED = ("sliced2", "sliced3")
+EXPORTED = ("sync", "sbn", "always") + JIT + SLICED
 
 
 def strategy_for(variant: str) -> tp.PoseidonStrategy:
-    options = {"sync": {}, "reordered": {}, "sbn": {"sync_batchnorm": True},
-               "always": {"sfb": "always"},
+    options = {"sync": {}, "sliced2": {}, "sliced3": {}, "sbn": {"sync_batchnorm": True},
+               "always": {"sfb": "always"}, "xla": {}, "sbnxla": {"sync_batchnorm": True},
                "fp16": {"compression": "fp16"}, "ssp": {"mode": "ssp", "staleness": 1},
                "easgd": {"mode": "easgd", "tau": 2, "alpha": 0.9 / tp.size()}}[variant]
     # sync_batchnorm is passed only where asked for, so the other entries run without it.
@@ -273,52 +334,101 @@ def exported_outputs(model, export_dir: str, inputs) -> dict:
             .items()}
 
 
-def reversed_within_batches(data: dict) -> dict:
-    """``data`` with the rows of every global batch in reverse order (test rows unchanged)."""
-    rows = len(tf.nest.flatten(data["y"])[0])
-    order = np.concatenate([np.arange(start, min(start + data["batch"], rows))[::-1]
-                            for start in range(0, rows, data["batch"])])
-    reordered = {k: tf.nest.map_structure(lambda a: a[order], data[k])
-                 for k in ("x", "y", "sample_weight") if k in data}
-    return dict(data, **reordered)
+def own_outputs(model, inputs, batch: int, names) -> dict:
+    """``model`` called on ``inputs`` in batches of ``batch`` rows, in a tf.function, as one
+    process's predict calls it (float16 kernels round differently eagerly), on this rank
+    alone: no communication."""
+    call = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+    rows = len(tf.nest.flatten(inputs)[0])
+    parts = [as_dict(call(tf.nest.map_structure(lambda a: a[start:start + batch], inputs)),
+                     names)
+             for start in range(0, rows, batch)]
+    return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
 
 
-def weights_of(model, strategy) -> tuple[np.ndarray, np.ndarray]:
-    """(trainable, non-trainable) values, concatenated, as every rank agrees on them."""
+def sliced_train_step(model, slices: int):
+    """A train step for ``model`` in one process that computes each global batch's gradient as
+    ``slices`` ranks do: the sum over the row slices [⌊n·p/P⌋, ⌊n·(p+1)/P⌋) (P = ``slices``)
+    of the gradient of the slice's loss (Keras' compiled loss, a mean over the slice, divided
+    by P as Keras divides it under a strategy of P replicas, times the loss scale), each
+    weighted by P times the slice's share of the batch. In float32 that is one process's
+    gradient up to summation order; under mixed precision each slice's weight gradients are
+    rounded to float16 on their own, as they are on each rank. Sample weights: not used;
+    History's loss: not recorded."""
+    def train_step(data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        n = tf.shape(x)[0]
+        total = None
+        for p in range(slices):
+            start, end = n * p // slices, n * (p + 1) // slices
+            with tf.GradientTape() as tape:
+                loss = model.compute_loss(y=y[start:end],
+                                          y_pred=model(x[start:end], training=True))
+                scaled = model.optimizer.scale_loss(loss / slices)
+            share = tf.cast(slices * (end - start), tf.float32) / tf.cast(n, tf.float32)
+            grads = [tf.math.multiply_no_nan(g, share)
+                     for g in tape.gradient(scaled, model.trainable_variables)]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        model.optimizer.apply(total, model.trainable_variables)
+        return model.compute_metrics(x, y, model(x, training=False), sample_weight=None)
+    return train_step
+
+
+def concatenated(variables) -> np.ndarray:
+    return np.concatenate([v.numpy().ravel().astype("float64") for v in variables] or [[]])
+
+
+def weights_of(model, strategy) -> dict:
+    """``trainable``, ``non_trainable`` and ``optimizer`` values, each concatenated, read inside
+    the strategy's consistent_state (what saving and exporting read)."""
     with strategy.extended.consistent_state():
-        trainable = np.concatenate([v.numpy().ravel() for v in model.trainable_weights])
-        non_trainable = np.concatenate([v.numpy().ravel().astype("float64")
-                                        for v in model.non_trainable_weights] or [[]])
-    return trainable, non_trainable
+        return {"trainable": concatenated(model.trainable_weights),
+                "non_trainable": concatenated(model.non_trainable_weights),
+                "optimizer": concatenated(model.optimizer.variables)}
 
 
 class Snapshot(keras.callbacks.Callback):
-    """The weights after the first SHORT_STEPS steps."""
+    """After the first SHORT_STEPS steps: this rank's own non-trainable values
+    (``local_non_trainable``), then the weights every rank agrees on (``weights``)."""
 
     def __init__(self, strategy):
         super().__init__()
-        self.strategy, self.weights, self.epoch = strategy, None, 0
+        self.strategy, self.epoch = strategy, 0
+        self.weights = self.local_non_trainable = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         if self.epoch == 0 and batch == SHORT_STEPS - 1:
+            self.local_non_trainable = concatenated(self.model.non_trainable_weights)
             self.weights = weights_of(self.model, self.strategy)
+
+
+def plan_of(strategy) -> dict:
+    """strategy.plan()'s rows, each as text; {} where it has none (no per-layer choice)."""
+    plan = strategy.plan()
+    if not plan.rows:
+        return {}
+    return {"plan": np.array([f"{row.kernel} {row.choice}" for row in plan.rows]),
+            "plan_reason": np.array([row.reason for row in plan.rows])}
 
 
 def run(entry: str, out: str) -> None:
     name, variant = entry.split("-")
     build, make_data = MODELS[name]
     data = make_data()
-    if variant == "reordered":
-        data = reversed_within_batches(data)
     schedule = ({"epochs": 1, "steps_per_epoch": SHORT_STEPS} if variant in SHORT
                 else {"epochs": data["epochs"]})
     keras.utils.set_random_seed(SEED + 1000 * tp.rank())
     strategy = strategy_for(variant)
     with strategy.scope():
         model = build()
+    if variant in JIT:
+        model.jit_compile = True  # what compile(jit_compile=True) sets
+    if variant in SLICED:
+        assert tp.size() == 1, "a one-process reference"
+        model.train_step = sliced_train_step(model, int(variant[len("sliced"):]))
     fit_args = {k: data[k] for k in ("class_weight", "sample_weight") if k in data}
     initial = model.evaluate(data["x_test"], data["y_test"], batch_size=data["batch"],
                              verbose=0, return_dict=True)
@@ -330,18 +440,20 @@ def run(entry: str, out: str) -> None:
     output_names = list(model.output_names)
     predictions = as_dict(model.predict(data["x_test"], batch_size=data["batch"], verbose=0),
                           output_names)
-    trainable, non_trainable = weights_of(model, strategy)
-    saved = {"trainable": trainable, "non_trainable": non_trainable,
-             "loss": history.history["loss"],
-             "evaluation": [evaluation[k] for k in sorted(evaluation)],
-             "initial_evaluation": [initial[k] for k in sorted(initial)]}
+    own = own_outputs(model, data["x_test"], data["batch"], output_names)
+    saved = dict(weights_of(model, strategy), **data.get("saved", {}),
+                 loss=history.history["loss"],
+                 evaluation=[evaluation[k] for k in sorted(evaluation)],
+                 initial_evaluation=[initial[k] for k in sorted(initial)])
+    if any(layer.name == "input_norm" for layer in model.layers):
+        saved["input_norm_moving_mean"] = model.get_layer("input_norm").moving_mean.numpy()
     if snapshot.weights is not None:  # trained for at least SHORT_STEPS steps
-        saved.update(trainable_step12=snapshot.weights[0],
-                     non_trainable_step12=snapshot.weights[1])
+        saved.update({f"{k}_step12": v for k, v in snapshot.weights.items()},
+                     non_trainable_local_step12=snapshot.local_non_trainable)
     saved.update({f"predict_{k}": v for k, v in predictions.items()})
-    if tp.size() > 1 and variant == "sync":
-        saved["plan"] = np.array([f"{r.kernel} {r.choice}" for r in strategy.plan().rows] or
-                                 [""])
+    saved.update({f"own_{k}": v for k, v in own.items()})
+    if tp.size() > 1:
+        saved.update(plan_of(strategy))
     if variant in EXPORTED:
         export_dir = os.path.join(out, f"{entry}_export")
         saved.update({f"export_{k}": v for k, v in
