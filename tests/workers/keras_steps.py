@@ -16,8 +16,8 @@ evaluated and, for the Sequential ones, predicted):
 Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
 training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
 the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer) and
-``own_predictions``: this rank's model called on the predicted rows, no communication. With KERAS_STEPS_XLA_DUMP=DIR, XLA writes the
-modules it compiles to DIR/rank<r>.
+``own_predictions``: this rank's model called on the predicted rows, no communication. With
+KERAS_STEPS_XLA_DUMP=DIR, XLA writes the modules it compiles to DIR/rank<r>.
 """
 
 import os
@@ -50,8 +50,9 @@ class GuideModel(keras.Model):
     """The Keras guide's custom step ("Customizing what happens in fit()", TensorFlow): the
     compiled loss and metrics, updated and read by the model's own train_step/test_step, plus
     ``unscaled_loss``, fed the loss as docs/synchronization.md shows for one process's value
-    (as Keras' default step feeds its tracker). With ``batchnorm``, the flattened input is normalized by a BatchNormalization layer
-    (``self.norm``): its moving mean depends on the data only, not on the weights."""
+    (as Keras' default step feeds its tracker). With ``batchnorm``, the flattened input is
+    normalized by a BatchNormalization layer (``self.norm``): its moving mean depends on the
+    data only, not on the weights."""
 
     def __init__(self, batchnorm: bool = False):
         super().__init__()

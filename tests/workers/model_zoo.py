@@ -39,16 +39,16 @@ has, so with rank 0's seed generator state every rank and one process drop the s
 
 Writes OUT/<entry>_rank<r>.npz: ``trainable``, ``non_trainable`` and ``optimizer`` (the
 optimizer's variables; each concatenated, read inside the strategy's consistent_state, as
-saving does), ``input_norm_moving_mean`` (models with such a layer), ``trainable_step12`` and
-``non_trainable_step12`` (the same after the first 12 steps, where there are as many) and
-``non_trainable_local_step12`` (the same, read before consistent_state: this rank's own),
+saving does), ``input_norm_moving_mean`` (models with such a layer), ``<each>_step12`` (the
+three after the first 12 steps, where there are as many) and ``non_trainable_local_step12``
+(the non-trainable ones then, read before consistent_state: this rank's own),
 ``loss`` (per epoch), ``evaluation`` and ``initial_evaluation`` (before training; both sorted
 by metric name), ``predict_<output>`` (model.predict: every rank's rows, gathered),
 ``own_<output>`` (this rank's model called on the same inputs in global batches, no
-communication),
-``plan`` and ``plan_reason`` (P > 1, where the algorithm has a per-layer plan: per row of
-strategy.plan(), "<variable> <protocol>" and the reason of the choice), ``repeated_ids`` (wide_deep: per global batch, lookups minus distinct
-ids) and, for the sync-mode variants, ``export_<output>`` (the exported SavedModel's serving
+communication), ``plan`` and ``plan_reason`` (P > 1, where the algorithm has a per-layer
+plan: per row of strategy.plan(), "<variable> <protocol>" and the reason of the choice),
+``repeated_ids`` (wide_deep: per global batch, lookups minus distinct ids) and, for the
+sync-mode variants, ``export_<output>`` (the exported SavedModel's serving
 signature run on the predict inputs; rank 0, which writes it). An entry that raises writes
 OUT/<entry>_rank<r>.error with the traceback instead.
 """
