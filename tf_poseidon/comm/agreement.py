@@ -121,7 +121,7 @@ def mismatch_message(sides: Sequence[tuple[str, str]], training: Collection[str]
     by_description: dict[str, list[int]] = {}
     for rank, (_, description) in enumerate(sides):
         by_description.setdefault(description, []).append(rank)
-    listed = "; ".join(f"{_ranks(ranks)} posted {description}"
+    listed = "; ".join(f"{rank_list(ranks)} posted {description}"
                        for description, ranks in by_description.items())
     message = (f"tf_poseidon: the ranks posted different collectives: {listed}. Every rank "
                "must run the same collectives in the same order.")
@@ -169,7 +169,8 @@ def _digest(what: str, layout: tuple, call: bool) -> np.ndarray:
     return np.frombuffer(hashlib.blake2b(text, digest_size=16).digest(), np.int64)
 
 
-def _ranks(ranks: list[int]) -> str:
+def rank_list(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2``."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(str(r) for r in ranks)

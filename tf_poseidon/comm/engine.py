@@ -49,7 +49,7 @@ import queue
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -193,7 +193,7 @@ class CommEngine:
         """
         self._jobs.put(_BucketJob(group, index, payload, time.perf_counter()))
 
-    def declare_training_groups(self, names) -> None:
+    def declare_training_groups(self, names: Iterable[str]) -> None:
         """Adds ``names`` (groups and calls that training steps post: the algorithm's
         ``training_groups``) to those a mismatch report calls training (comm/agreement.py).
         Any thread; never blocks."""
@@ -432,14 +432,15 @@ class _ExitHeartbeats:
             silent = [r for r in missing if now - heard[r] > silence_s]
             if silent:
                 return (f"tf_poseidon: this rank has reached the end of its program and waits "
-                        f"for {_ranks(silent)}, which sent no heartbeat for {silence_s:.0f} s "
-                        "(TF_POSEIDON_TIMEOUT): a stopped process, or one whose Python "
-                        "threads cannot run.")
+                        f"for {agreement.rank_list(silent)}, which sent no heartbeat for "
+                        f"{silence_s:.0f} s (TF_POSEIDON_TIMEOUT): a stopped process, or one "
+                        "whose Python threads cannot run.")
             if now - start > limit_s:
                 return (f"tf_poseidon: this rank has reached the end of its program and has "
                         f"waited {limit_s:.0f} s (TF_POSEIDON_MEETING_TIMEOUT) for "
-                        f"{_ranks(missing)}, alive but not at the end of the program: stuck "
-                        "(a deadlock, an endless loop), or working alone for longer than that.")
+                        f"{agreement.rank_list(missing)}, alive but not at the end of the "
+                        "program: stuck (a deadlock, an endless loop), or working alone for "
+                        "longer than that.")
             return None
         return give_up
 
@@ -454,10 +455,6 @@ class _ExitHeartbeats:
                     f"within {timeout_s:.0f} s (TF_POSEIDON_TIMEOUT): a rank hangs.")
             time.sleep(1e-3)
         self._sends = []
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 _engine: CommEngine | None = None
