@@ -2,8 +2,9 @@
 
 Bagua's split. The user constructs an Algorithm with its own knobs
 (``tp.algorithms.SSP(staleness=2)``); it validates them, declares what it is (``lockstep``,
-``asynchronous``, ``plans``), and ``reify(context)`` makes the runtime object once per
-strategy, when the first replica function runs with more than one rank. The strategy then calls the
+``asynchronous``, ``plans``) and which collective groups its training posts
+(``training_groups``), and ``reify(context)`` makes the runtime object once per strategy, when
+the first replica function runs with more than one rank. The strategy then calls the
 AlgorithmImpl from the Keras optimizer integration (keras_integration.py), in a replica
 context, while the train step is traced:
 
