@@ -338,7 +338,8 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
             batchnorm.combine_state(self, list(self._state_to_combine.values()), None)
 
     def synchronize_state(self, model, local_batch: tf.Tensor | None) -> None:
-        """Replica context, at the end of a training step (keras_integration's train step):
+        """Replica context, at the end of every training step of ``fit`` (the train function
+        keras_integration builds, for Keras' ``train_step`` and a model's own alike):
         the model's non-trainable float variables (BatchNormalization's moving statistics)
         become equal on every rank, weighted by row count (batchnorm.combine_state: one small
         collective). Algorithms whose ranks do not step together combine them when they drain
