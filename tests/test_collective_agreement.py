@@ -40,7 +40,8 @@ SCENARIOS = {
                          r"\d+ \(", r"TerminateOnNaN stopped training on some ranks only"],
     "terminate_on_nan_easgd": [MISMATCH + r"rank 0 posted control-plane call 'an asynchronous "
                                r"EASGD exchange \(training\)'; rank 1 posted control-plane "
-                               r"call 'the asynchronous EASGD meeting at the end of fit'\.",
+                               r"call 'the asynchronous EASGD meeting of a drain \(the end of "
+                               r"fit\)'\.",
                                r"TerminateOnNaN stopped training on some ranks only"],
     "lengths_steps": [r"ValueError: the ranks were given different data \(rank 0: 4 batches "
                       r"of 32, the last of 4; rank 1: 5 batches of 32, the last of 2\)",

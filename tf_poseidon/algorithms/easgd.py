@@ -16,8 +16,8 @@ and export:
   d = α(x_p − c); x_p ← x_p − d; c ← c + d. No rank waits for another during training, so
   ranks that diverge (TerminateOnNaN, a callback, stopping training on one rank only) would
   post no collective that the engine's agreement could compare until the next meeting; an
-  exchange checks instead that no rank has finished the fit it trains in
-  (easgd_center.FitEnds) and, if one has, joins that rank's meeting with a call labelled
+  exchange checks instead that no rank has drained at a step this rank has trained past
+  (easgd_center.DrainNotices) and, if one has, joins that rank's meeting with a call labelled
   :data:`EXCHANGE`: the agreement fails on every rank, naming both sides.
 
 What users see (docs/easgd.md): ``consistent_state()`` swaps the center into the model's
@@ -79,8 +79,8 @@ ASYNC_DEFAULT_ALPHA = 0.5  # Theano-MPI's
 SYNC_DEFAULT_ALPHA_TIMES_P = 0.9  # Zhang et al.'s β = α·P
 MOVE, RESEED = "easgd", "easgd_reseed"  # the synchronous form's collective groups
 EXCHANGE = "an asynchronous EASGD exchange (training)"
-"""The engine call of an exchange that found a rank at the end of its fit."""
-FIT_END_MEETING = "the asynchronous EASGD meeting at the end of fit"
+"""The engine call of an exchange that found a rank drained at a step it has trained past."""
+DRAIN_MEETING = "the asynchronous EASGD meeting of a drain (the end of fit)"
 MEETING = "the asynchronous EASGD meeting of all ranks"
 
 
@@ -168,7 +168,7 @@ class EASGDImpl(AlgorithmImpl):
         self._groups: dict[tuple, _Group] = {}
         self._swap_depth = 0
         self.counters = easgd_center.ExchangeCounters()
-        self._holder = self._client = self._fit_ends = None
+        self._holder = self._client = self._drains = None
         if asynchronous:
             from mpi4py import MPI
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -176,7 +176,7 @@ class EASGDImpl(AlgorithmImpl):
                                    "MPI_THREAD_MULTIPLE (the center holder's thread and the "
                                    "engine's use MPI at the same time).")
             comm = engine.call(lambda world_comm: world_comm.Dup(), label="EASGD communicator")
-            self._fit_ends = easgd_center.FitEnds(comm)
+            self._drains = easgd_center.DrainNotices(comm)
             if engine.rank == easgd_center.HOLDER_RANK:
                 self._holder = easgd_center.CenterHolder(comm, self.alpha)
             else:
@@ -221,10 +221,11 @@ class EASGDImpl(AlgorithmImpl):
         """Every rank, eagerly (collective in the async form): x_p ← c for every group, so all
         ranks hold the center. Called at the end of ``fit``. The next training step restarts
         the center from rank 0's weights then (see ``reduce_gradients``). The async form first
-        tells the other ranks that this one has finished its fit (easgd_center.FitEnds)."""
-        if self._fit_ends is not None:
-            self._fit_ends.announce()
-        for group, center in zip(self._ordered_groups(), self._center_values(FIT_END_MEETING)):
+        tells the other ranks at which step this one drains (easgd_center.DrainNotices)."""
+        groups = self._ordered_groups()
+        if self._drains is not None:
+            self._drains.announce(max((int(g.step.numpy()) for g in groups), default=0))
+        for group, center in zip(groups, self._center_values(DRAIN_MEETING)):
             for variable, value in zip(group.variables, center):
                 variable.assign(value)
             group.reseed.assign(True)
@@ -362,10 +363,10 @@ class EASGDImpl(AlgorithmImpl):
         count, dtype, index = len(group.variables), group.dtype, group.index
         holder, client, counters = self._holder, self._client, self.counters
 
-        def exchange(*arrays: np.ndarray) -> np.ndarray:
-            if self._fit_ends.ahead():
-                # They wait at FIT_END_MEETING: this call's agreement fails there and here,
-                # on every rank, with CollectiveMismatchError naming both sides.
+        def exchange(step: np.int64, *arrays: np.ndarray) -> np.ndarray:
+            if self._drains.passed(int(step)):
+                # They wait at DRAIN_MEETING: this call's agreement fails there and here, on
+                # every rank, with CollectiveMismatchError naming both sides.
                 self.engine.call(lambda comm: None, timeouts.meeting_s(), label=EXCHANGE)
             x = _flatten(arrays[:count], dtype)
             if holder is not None:
@@ -375,8 +376,9 @@ class EASGDImpl(AlgorithmImpl):
             return client.exchange(index, x, counters)
 
         def make(extra):
-            flat = tf.numpy_function(exchange, [v.read_value() for v in group.variables] + extra,
-                                     tf.as_dtype(dtype), stateful=True, name="tp_easgd_exchange")
+            inputs = [group.step.read_value()] + [v.read_value() for v in group.variables]
+            flat = tf.numpy_function(exchange, inputs + extra, tf.as_dtype(dtype),
+                                     stateful=True, name="tp_easgd_exchange")
             flat.set_shape([group.num_elements])
             return flat
         flat = self.sequencer.run_in_order(make)

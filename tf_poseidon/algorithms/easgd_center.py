@@ -54,7 +54,7 @@ from tf_poseidon.comm.errors import CollectiveTimeoutError
 
 EXCHANGE_TAG = 7100
 REPLY_TAG = 7101
-FIT_END_TAG = 7099  # below the groups' tags, which grow upward from EXCHANGE_TAG
+DRAIN_TAG = 7099  # below the groups' tags, which grow upward from EXCHANGE_TAG
 HOLDER_RANK = 0
 CHUNK_BYTES = 1 << 20
 
@@ -237,47 +237,50 @@ class CenterHolder:
         self.served.bytes_sent += x.nbytes
 
 
-class FitEnds:
-    """Which ranks have finished ``fit`` while this one still trains (any rank).
+class DrainNotices:
+    """Which ranks have drained (ended a ``fit``) at a step this rank has trained past (any
+    rank).
 
     A rank that trains (exchanges with the center) never communicates with a rank that has
-    finished, so without these messages the ranks would find that they ran different numbers
-    of epochs only at the next point where all meet (the end of the longer epoch). At the end
-    of every ``fit`` (``EASGDImpl.drain``), a rank sends every other rank how many fits it has
-    finished (tag :data:`FIT_END_TAG`, on the holder's communicator); at each exchange a rank
-    reads the counts that arrived. In a healthy job no rank finishes a fit while another still
-    trains in it (every epoch ends at a meeting of all ranks, and ``fit`` ends after one), so a
-    count above this rank's own means the ranks diverged. ``announce`` (main thread) and
-    ``ahead`` (an exchange's thread) never block.
+    stopped, so without these messages ranks that went different ways would find it only at
+    their next meeting (the end of the longer epoch). At every drain (``EASGDImpl.drain``: the
+    end of ``fit``, or ``strategy.drain()``) a rank sends every other rank how many drains it
+    has begun and its step count then (tag :data:`DRAIN_TAG`, on the holder's communicator); at
+    each exchange a rank reads the notices that arrived. Every rank drains after the same
+    number of steps in a healthy job, so a rank that has not begun that drain yet may still be
+    catching up (a slower rank of a custom loop), but one that trains past that step means the
+    ranks diverged. ``announce`` (main thread) and ``passed`` (an exchange's thread) never
+    block.
     """
 
     def __init__(self, comm):
         self._comm = comm
         self._peers = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
         self._lock = threading.Lock()
-        self._finished = 0                       # fits this rank has finished
-        self._theirs = dict.fromkeys(self._peers, 0)
-        self._sends: list = []                   # (request, buffer) until the send completes
-        self._inbox = np.empty(1, np.int64)
+        self._drains = 0                           # drains this rank has begun
+        self._latest = {r: (0, 0) for r in self._peers}  # peer -> (its drains, its step)
+        self._sends: list = []                     # (request, buffer) until the send completes
+        self._inbox = np.empty(2, np.int64)
 
-    def announce(self) -> None:
-        """This rank has finished a fit: tells every other rank."""
+    def announce(self, step: int) -> None:
+        """This rank begins a drain after ``step`` steps: tells every other rank."""
         with self._lock:
-            self._finished += 1
+            self._drains += 1
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
             for rank in self._peers:
-                count = np.array([self._finished], np.int64)
-                self._sends.append((self._comm.Isend(count, dest=rank, tag=FIT_END_TAG), count))
+                notice = np.array([self._drains, step], np.int64)
+                self._sends.append((self._comm.Isend(notice, dest=rank, tag=DRAIN_TAG), notice))
 
-    def ahead(self) -> list[int]:
-        """The ranks that have finished more fits than this one (in the fit this rank trains
-        in, for the first time: they diverged)."""
+    def passed(self, step: int) -> list[int]:
+        """The ranks that have begun a drain this rank has not, at fewer steps than ``step``
+        (this rank's step count at an exchange)."""
         with self._lock:
             for rank in self._peers:
-                while self._comm.Iprobe(source=rank, tag=FIT_END_TAG):
-                    self._comm.Irecv(self._inbox, source=rank, tag=FIT_END_TAG).Wait()  # there
-                    self._theirs[rank] = max(self._theirs[rank], int(self._inbox[0]))
-            return [rank for rank, count in self._theirs.items() if count > self._finished]
+                while self._comm.Iprobe(source=rank, tag=DRAIN_TAG):
+                    self._comm.Irecv(self._inbox, source=rank, tag=DRAIN_TAG).Wait()  # there
+                    self._latest[rank] = max(self._latest[rank], tuple(map(int, self._inbox)))
+            return [rank for rank, (drains, at) in self._latest.items()
+                    if drains > self._drains and at < step]
 
 
 class CenterClient:

@@ -278,7 +278,7 @@ class CommEngine:
                     order.popleft()
                     next_bucket, setting = 0, None
             try:
-                job = self._jobs.get(timeout=HEARTBEAT_INTERVAL_S)
+                job = self._jobs.get(timeout=self._exits.until_next_answer())
             except queue.Empty:
                 job = None
             self._answer_exits()
@@ -400,6 +400,11 @@ class _ExitHeartbeats:
                 self._comm.Irecv(self._inbox, source=rank, tag=tag).Wait()  # it is there
                 senders.append(rank)
         return senders
+
+    def until_next_answer(self) -> float:
+        """Seconds until ``answer`` is due (at most HEARTBEAT_INTERVAL_S): how long the idle
+        engine may wait for work."""
+        return min(max(self._next_answer - time.monotonic(), 0.0), HEARTBEAT_INTERVAL_S)
 
     def answer(self) -> None:
         now = time.monotonic()
