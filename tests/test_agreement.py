@@ -3,7 +3,8 @@ objects, one per rank, on the loopback communicator. Ranks that post different c
 raise CollectiveMismatchError naming each side, each prints it first, the hint fits what was
 posted, and a peer that posts nothing ends the wait after the timeout; at the end of the
 program a rank waits for peers that send heartbeats and gives up on silent or stuck ones.
-The same at P=2 in real jobs: tests/test_collective_agreement.py."""
+Asynchronous EASGD's drain notices decide when an exchange means the ranks diverged. The same
+at P=2 in real jobs: tests/test_collective_agreement.py."""
 
 import time
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from tf_poseidon import algorithms
-from tf_poseidon.algorithms import easgd, ssp, sync
+from tf_poseidon.algorithms import easgd, easgd_center, ssp, sync
 from tf_poseidon.comm import agreement
 from tf_poseidon.comm.buckets import Bucket, Item
 from tf_poseidon.comm.codecs import Exact
@@ -196,3 +197,25 @@ def test_the_end_gives_up_on_a_peer_stuck_longer_than_the_meeting_limit(monkeypa
         "(TF_POSEIDON_MEETING_TIMEOUT) for rank 0, alive but not at the end of the program: "
         "stuck (a deadlock, an endless loop), or working alone for longer than that.")
     assert 3 <= seconds < 5, seconds
+
+
+# -- asynchronous EASGD's drain notices (algorithms/easgd_center.py) ----------------------------
+
+def test_an_exchange_past_the_step_of_another_ranks_drain_is_a_divergence():
+    # Rank 0 drains after 10 steps. Rank 1 below that step is catching up (a slower rank of a
+    # custom loop); past it, it trains where rank 0 stopped. Once rank 1 has drained too, the
+    # notice is an old one.
+    def rank_main(comm):
+        notices = easgd_center.DrainNotices(comm)
+        if comm.rank == 0:
+            notices.announce(10)
+            comm.Barrier()
+            return None
+        comm.Barrier()  # rank 0's notice has been sent
+        before = [notices.passed(step) for step in (5, 10, 11)]
+        notices.announce(10)
+        return before, notices.passed(11)
+
+    before, after = LoopbackWorld(2, WORLD_TIMEOUT_S).run(rank_main)[1]
+    assert before == [[], [], [0]]
+    assert after == []
