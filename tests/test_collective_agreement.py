@@ -94,4 +94,6 @@ def test_diverging_ranks_end_the_job_naming_both_sides_on_every_rank(scenario):
         seconds = reports[0][0] - diverged
         assert seconds < REPORT_BOUND_S, f"rank {rank} reported it {seconds:.1f} s after " \
                                          f"the ranks diverged:\n{output[-4000:]}"
+        print(f"{scenario}: rank {rank} reported it {seconds:.1f} s after the divergence")
     assert ended - diverged < END_BOUND_S, f"{ended - diverged:.1f} s after the divergence"
+    print(f"{scenario}: the job ended {ended - diverged:.1f} s after the divergence")
