@@ -38,24 +38,26 @@ CONFIGS = [
     Config("single", "one process, no distribution (compute-only reference)", "single"),
     Config("concurrent", "P independent processes, no communication", "concurrent"),
     Config("mwms", "TF MultiWorkerMirroredStrategy (RING, custom loop)", "mwms"),
+    # The fixed settings (autotune=False); "auto" and "auto+fp16" are tuned in their first steps.
     Config("naive", "tf_poseidon sync, overlap=False, fp32 (naive)", "poseidon",
-           {"overlap": False, "sfb": "never"}),
-    Config("dwbp", "tf_poseidon sync + DWBP (overlap=True)", "poseidon", {"sfb": "never"}),
+           {"overlap": False, "sfb": "never", "autotune": False}),
+    Config("dwbp", "tf_poseidon sync + DWBP (overlap=True)", "poseidon",
+           {"sfb": "never", "autotune": False}),
     Config("fp16", "DWBP + compression='fp16'", "poseidon",
-           {"compression": "fp16", "sfb": "never"}),
-    Config("sfb", "DWBP + sfb='auto' (PoseidonStrategy() defaults)", "poseidon"),
+           {"compression": "fp16", "sfb": "never", "autotune": False}),
+    Config("sfb", "DWBP + sfb='auto'", "poseidon", {"autotune": False}),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
-           {"compression": "fp16"}),
-    Config("auto", "sfb='auto' + autotune=True: overlap tuned in the first steps", "poseidon",
-           {"autotune": True}),
-    Config("auto+fp16", "compression='fp16' + sfb='auto' + autotune=True: overlap and fp16 "
-           "or exact per bucket tuned", "poseidon", {"compression": "fp16", "autotune": True}),
+           {"compression": "fp16", "autotune": False}),
+    Config("auto", "PoseidonStrategy() defaults: sfb='auto', autotune=True (overlap tuned in "
+           "the first steps)", "poseidon"),
+    Config("auto+fp16", "compression='fp16', autotuned: overlap and fp16 or exact per bucket",
+           "poseidon", {"compression": "fp16"}),
     # start_step=0: the few steps timed are the compressed steady state, not the warm-up.
     Config("powersgd", "DWBP + lowrank=PowerSGD(rank=4): all-reduce, SFB or low-rank per layer",
-           "poseidon", {"lowrank": {"rank": 4, "start_step": 0}}),
+           "poseidon", {"lowrank": {"rank": 4, "start_step": 0}, "autotune": False}),
     Config("powersgd-always", "DWBP + PowerSGD(rank=4, choice='always'): every matrix "
            "compressing >= 2x", "poseidon",
-           {"lowrank": {"rank": 4, "start_step": 0, "choice": "always"}}),
+           {"lowrank": {"rank": 4, "start_step": 0, "choice": "always"}, "autotune": False}),
     Config("ssp", "mode='ssp', staleness=2", "poseidon", {"mode": "ssp", "staleness": 2}),
     # alpha·P = 0.9: Zhang et al.'s beta, as the results were measured with.
     Config("easgd", "mode='easgd', tau=4, alpha=0.9/P", "poseidon",
@@ -277,7 +279,8 @@ def markdown(run: dict) -> str:
           if busy else []),
         *(["## Where the step time goes", "", "Rank 0's profile of steps after the timed "
            "ones (tf_poseidon.profiling.StepProfiler: ms per step; TensorFlow phases are op "
-           "time summed over its threads, wire and engine queue the engine thread's).", "",
+           "time summed over its threads, wire the engine thread's, engine queue the "
+           "buckets' waits summed).", "",
            *profile_table(rows), ""] if profile_table(rows) else []),
         "## Goals", "", "Best tf_poseidon configuration at each number of hosts and link; "
         "targets: ≥ 5× MWMS on the FC-heavy model and ≥ 2× on the CNNs, 2 hosts ≥ 1.7× one "

@@ -48,8 +48,10 @@ def job_for(config: Config, model: str, ranks: int, settings: dict) -> runner.Jo
     configuration warms up for its trials too (comm/autotune.py: trial_steps)."""
     from tf_poseidon.comm import autotune
     options = config.kwargs_for(ranks) if config.kind == "poseidon" else None
+    tuned = options is not None and options.get("autotune", True) and options.get(
+        "mode", "sync") == "sync"
     warmup = settings["warmup"] + (autotune.trial_steps(
-        options.get("compression", "none") != "none") if (options or {}).get("autotune") else 0)
+        options.get("compression", "none") != "none") if tuned else 0)
     return runner.Job("single" if config.kind == "concurrent" else config.kind, ranks,
                       {"model": model, "batch": settings["batch"], "warmup": warmup,
                        "steps": settings["steps"], "profile": settings.get("profile", 0)},

@@ -198,8 +198,8 @@ def test_engine_runs_each_step_as_its_setting_says(size):
 
 def test_strategy_option_is_checked():
     from tf_poseidon.config import StrategyConfig
-    assert StrategyConfig(autotune=True).autotune is True
-    assert StrategyConfig().autotune is False
+    assert StrategyConfig().autotune is True
+    assert StrategyConfig(autotune=False).autotune is False
     with pytest.raises(ValueError, match="autotune='yes' is not valid"):
         StrategyConfig(autotune="yes")
 

@@ -19,10 +19,14 @@ def test_every_configuration_of_the_issue_is_in_the_suite():
     kinds = {c.name: (c.kind, c.options) for c in CONFIGS}
     assert kinds["single"] == ("single", {})
     assert kinds["mwms"] == ("mwms", {})
-    assert kinds["naive"] == ("poseidon", {"overlap": False, "sfb": "never"})
-    assert kinds["dwbp"] == ("poseidon", {"sfb": "never"})
-    assert kinds["fp16"][1]["compression"] == "fp16"
-    assert kinds["sfb"] == ("poseidon", {})  # sfb="auto" is PoseidonStrategy's default
+    # The fixed settings are not autotuned; "auto" is PoseidonStrategy's defaults (sfb="auto",
+    # autotune=True), "auto+fp16" the same with compression="fp16".
+    assert kinds["naive"] == ("poseidon", {"overlap": False, "sfb": "never", "autotune": False})
+    assert kinds["dwbp"] == ("poseidon", {"sfb": "never", "autotune": False})
+    assert kinds["fp16"][1] == {"compression": "fp16", "sfb": "never", "autotune": False}
+    assert kinds["sfb"] == ("poseidon", {"autotune": False})
+    assert kinds["auto"] == ("poseidon", {})
+    assert kinds["auto+fp16"] == ("poseidon", {"compression": "fp16"})
     assert kinds["ssp"] == ("poseidon", {"mode": "ssp", "staleness": 2})
     assert kinds["easgd"] == ("poseidon", {"mode": "easgd", "tau": 4, "alpha": "0.9/P"})
     assert CONFIG_BY_NAME["easgd"].kwargs_for(2)["alpha"] == pytest.approx(0.45)

@@ -17,6 +17,7 @@ from tf_poseidon import profiling
     ("sgd/PoseidonUnpack:PoseidonUnpack", "device_pack"),
     ("PoseidonSfbReconstruct_2:PoseidonSfbReconstruct", "sfb_reconstruct"),
     ("ExecutorState::Process", None),
+    ("EagerLocalExecute: __inference_train_function_1234", None),
     ("EagerExecute", None),
 ])
 def test_event_phases(event, phase):

@@ -43,7 +43,7 @@ class StrategyConfig:
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
                  sync_batchnorm: bool = False, lowrank: PowerSGD | dict | None = None,
-                 autotune: bool = False, **algorithm_options):
+                 autotune: bool = True, **algorithm_options):
         from tf_poseidon import world
         if isinstance(algorithm, str):
             algorithm, mode = None, _one_mode(algorithm, mode)

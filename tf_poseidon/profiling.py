@@ -24,7 +24,8 @@ phase                  what it times
 ``wire``               the engine thread's collectives (comm/engine.py), codec work on the
                        engine thread included: runs beside the TensorFlow threads
 ``engine_queue``       how long buckets waited in the engine's queue before being posted
-                       (behind earlier buckets, or for their turn)
+                       (behind earlier buckets, or for their turn), summed over the
+                       step's buckets: it exceeds the step when many buckets queue
 =====================  ==================================================================
 
 TensorFlow phases are *self* times of op events (an op's time minus the ops nested in it)
@@ -39,6 +40,7 @@ import collections
 import dataclasses
 import glob
 import os
+import re
 import tempfile
 import time
 
@@ -47,6 +49,9 @@ import keras
 PHASES = ("compute", "enqueue", "collect", "device_pack", "sfb_reconstruct", "wire",
           "engine_queue")
 
+# An op's event: its name (no spaces or colons) and type; not "EagerLocalExecute: __inference_f"
+# (the eager call of a whole function) nor "ExecutorState::Process".
+_OP_EVENT = re.compile(r"([^\s:]+):([A-Za-z_][A-Za-z0-9_]*)")
 _OP_PHASES = {"PoseidonPack": "device_pack", "PoseidonUnpack": "device_pack",
               "PoseidonSfbReconstruct": "sfb_reconstruct"}
 
@@ -77,9 +82,10 @@ class StepProfile:
 def op_phase(event_name: str) -> str | None:
     """The phase of a profiler event named ``"<op name>:<op type>"``, or None for events
     that are not TensorFlow ops (executor bookkeeping, Python frames)."""
-    if "::" in event_name or ":" not in event_name:
+    match = _OP_EVENT.fullmatch(event_name)
+    if match is None:
         return None
-    name, op_type = event_name.rsplit(":", 1)
+    name, op_type = match.groups()
     if "tp_enqueue_" in name:
         return "enqueue"
     if "tp_collect_" in name:

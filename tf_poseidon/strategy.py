@@ -96,8 +96,9 @@ class PoseidonStrategy(distribute_lib.Strategy):
       autotune: during the first steps of training, try overlap on and off and, with a lossy
         ``compression``, that codec or the exact sum per bucket, and keep the setting with
         the shortest measured step (agreed by every rank; about 20 steps of trials). What was
-        tried and chosen: ``stats()["mode"]["autotune"]``. Sync only; False (default): the
-        setting as given (tf_poseidon/comm/autotune.py, docs/benchmarks.md).
+        tried and chosen: ``stats()["mode"]["autotune"]``. Sync only. True (default): it never
+        measured slower than the fixed settings (docs/benchmarks.md); False: the setting as
+        given (tf_poseidon/comm/autotune.py).
 
     Raises:
       ValueError: an argument has an invalid value (the message names it and what is allowed).
@@ -108,7 +109,7 @@ class PoseidonStrategy(distribute_lib.Strategy):
                  compression: str | Codec = "none", sfb: str = "auto",
                  bucket_bytes: int | None = None, overlap: bool = True,
                  timeline: str | None = None, bandwidth_gbps: float | None = None,
-                 sync_batchnorm: bool = False, lowrank=None, autotune: bool = False,
+                 sync_batchnorm: bool = False, lowrank=None, autotune: bool = True,
                  **algorithm_options):
         config = StrategyConfig(algorithm, mode=mode, compression=compression, sfb=sfb,
                                 bucket_bytes=bucket_bytes, overlap=overlap, timeline=timeline,

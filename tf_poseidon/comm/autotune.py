@@ -39,12 +39,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from tf_poseidon.comm import codecs
-from tf_poseidon.comm.buckets import ALLREDUCE
+if TYPE_CHECKING:  # imported where used: the benchmark suite reads trial_steps without TF
+    from tf_poseidon.comm import codecs
 
 DEFAULT_WARMUP = 2
 DEFAULT_ROUNDS = 3
@@ -76,8 +76,9 @@ DEFAULT = Setting()
 class _Trials:
     """The trials of one bucket layout (engine thread only)."""
 
-    def __init__(self, layout: Sequence[tuple[str, int, str]], codec: codecs.Codec,
+    def __init__(self, layout: Sequence[tuple[str, int, str]], codec: "codecs.Codec",
                  overlaps: Sequence[bool], rounds: int, warmup: int):
+        from tf_poseidon.comm.buckets import ALLREDUCE
         self.codec_names = [codec.name]
         # A lossy codec may give way to the exact sum on buckets summed on the host in float.
         self.tunable = [kind == ALLREDUCE and dtype in ("float32", "float64")
@@ -190,7 +191,7 @@ class GradientTuner:
     itself). ``begin`` and ``bucket_done`` run on the engine thread only; ``report`` on any.
     """
 
-    def __init__(self, codec: codecs.Codec, tune_overlap: bool = True,
+    def __init__(self, codec: "codecs.Codec", tune_overlap: bool = True,
                  rounds: int = DEFAULT_ROUNDS, warmup: int = DEFAULT_WARMUP):
         if rounds < 1 or warmup < 0:
             raise ValueError(f"GradientTuner needs rounds >= 1 and warmup >= 0, got "
@@ -220,12 +221,13 @@ class GradientTuner:
         if trials is not None:
             trials.bucket_done(index, seconds)
 
-    def codec_of(self, setting: Setting, index: int) -> codecs.Codec | None:
+    def codec_of(self, setting: Setting, index: int) -> "codecs.Codec | None":
         """The codec bucket ``index`` runs with under ``setting``: None for its protocol's
         own (the strategy's codec, whose wire buffers are the protocol's), else the exact
         sum."""
         if setting.codecs is None or setting.codecs[index] == self.codec.name:
             return None
+        from tf_poseidon.comm import codecs
         return codecs.get(setting.codecs[index])
 
     def report(self) -> list[dict]:
