@@ -10,7 +10,7 @@ import pytest
 from tf_poseidon.comm import autotune, codecs
 from tf_poseidon.comm.buckets import Bucket, Item
 from tf_poseidon.comm.engine import CollectiveGroup, CommEngine
-from tf_poseidon.comm.protocol import AllReduce
+from tf_poseidon.comm.protocol import AllReduce, BucketCall
 from tf_poseidon.testing.loopback import LoopbackWorld
 
 FLOAT_LAYOUT = (("allreduce", 4096, "float32"), ("allreduce", 4096, "float32"),
@@ -94,13 +94,17 @@ def test_codec_per_bucket_then_mixed_candidate():
     assert all(s == used[-1] for s in used[steps_in_trials:])
 
 
-def test_exact_codec_is_never_replaced_and_16_bit_payloads_keep_theirs():
+def test_exact_codec_is_never_replaced_nor_bf16_nor_a_16_bit_payloads():
     layout = (("allreduce", 2048, "bfloat16"), ("allreduce", 4096, "float32"))
     results = drive(LoopbackWorld(2), layout, codecs.get("bf16"), lambda r, s: 1.0,
                     lambda i, name: 0.1, tune_overlap=False)
-    for used, _ in results:
-        for s in used:
-            assert s.codecs is None or s.codecs[0] == "bf16"
+    for used, _ in results:  # bf16 packs on the device in bfloat16: never replaced
+        assert all(s.codecs is None or set(s.codecs) == {"bf16"} for s in used)
+    results = drive(LoopbackWorld(2), layout, codecs.get("fp16"), lambda r, s: 1.0,
+                    lambda i, name: 0.1, tune_overlap=False)
+    for used, _ in results:  # fp16 may give way, but not on a bucket planned in 16 bits
+        assert {s.codecs[1] for s in used if s.codecs} == {"fp16", "none"}
+        assert all(s.codecs is None or s.codecs[0] == "fp16" for s in used)
     none_results = drive(LoopbackWorld(2), layout, codecs.get("none"), lambda r, s: 1.0,
                          lambda i, name: 0.1, tune_overlap=False)
     for used, _ in none_results:
@@ -220,3 +224,34 @@ def test_trial_steps_bound_the_trials(codec, tune_overlap):
     assert all(s == used[bound] for s in used[bound:])
     if codec != "none":  # the bound is reached: all three codec candidates were tried
         assert len(tuner.report()[0]["candidates"]) == 3 * (2 if tune_overlap else 1)
+
+
+def test_a_codec_of_ones_own_is_kept():
+    class Halves(codecs.Codec):  # not tunable: the autotuner must not send it exactly
+        name, wire_dtype, meta_size = "halves-for-test", np.dtype(np.float16), 0
+
+    results = drive(LoopbackWorld(2), FLOAT_LAYOUT, Halves(), lambda r, s: 1.0,
+                    lambda i, name: 0.1 if name == "none" else 1.0)
+    for used, tuner in results:
+        assert all(s.codecs is None or set(s.codecs) == {"halves-for-test"} for s in used)
+        assert {c["setting"] for c in tuner.report()[0]["candidates"]} == {
+            "overlap on, codec halves-for-test", "overlap off, codec halves-for-test"}
+
+
+def test_a_payload_packed_in_16_bits_keeps_its_codec():
+    """The device form hands bf16's sum a bfloat16 payload (codecs.pack_dtype): an exact
+    codec chosen for the bucket cannot sum it, so the bucket's own codec does."""
+    import ml_dtypes
+    item = Item("g", (64,), np.dtype(np.float32), 64)
+    bucket = Bucket(0, "allreduce", (0,), (item,), item.payload_dtype)
+
+    def rank_main(comm):
+        bf16 = codecs.HalfPrecision("bf16", ml_dtypes.bfloat16, scaled=False)
+        payload = np.full(64, comm.Get_rank() + 1, ml_dtypes.bfloat16)
+        call = BucketCall("gradients", 0, 0, bucket, payload, codecs.get("none"))
+        return AllReduce(bf16).run(comm, call)
+
+    for result in LoopbackWorld(2).run(rank_main):
+        assert result.value.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(result.value.astype(np.float32), 3.0)
+        assert result.bytes_sent == pytest.approx(64 * 2 / 2 * 2)  # bf16's bytes, not 4

@@ -93,8 +93,8 @@ class PoseidonStrategy(distribute_lib.Strategy):
         Approximate: P ranks no longer train exactly like one process. The residuals and Q
         are training state (saved and restored by ``tp.callbacks.BackupAndRestore``). None
         (default): off. Sync only (docs/compression.md).
-      autotune: during the first steps of training, try overlap on and off and, with a lossy
-        ``compression``, that codec or the exact sum per bucket, and keep the setting with
+      autotune: during the first steps of training, try overlap on and off and, with
+        ``compression="fp16"``, fp16 or the exact sum per bucket, and keep the setting with
         the shortest measured step (agreed by every rank; about 20 steps of trials). What was
         tried and chosen: ``stats()["mode"]["autotune"]``. Sync only. True (default): it never
         measured slower than the fixed settings (docs/benchmarks.md); False: the setting as

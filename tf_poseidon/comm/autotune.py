@@ -7,11 +7,13 @@ group (``PoseidonStrategy(autotune=True)``),
 * **overlap** on or off: with overlap off the engine posts a step's first bucket only once
   every bucket of the step has been handed over (the backward pass is over), as
   ``overlap=False`` does — no communication competes with backprop for the cores;
-* **the codec per bucket**, when the strategy's codec is lossy (``compression="fp16"``,
-  ``"bf16"``, ...): that codec or the exact sum (``"none"``), bucket by bucket — a 16-bit
-  codec halves the bytes but costs conversion passes, which a fast link does not repay. The
-  exact sum is never replaced by a lossy one, and a bucket packed in a 16-bit dtype on its
-  device keeps its codec.
+* **the codec per bucket**, when the strategy's codec is a ``tunable`` one packed in float32
+  (``compression="fp16"``; comm/codecs.py): that codec or the exact sum
+  (``"none"``), bucket by bucket — a 16-bit codec halves the bytes but costs conversion
+  passes, which a fast link does not repay. The exact sum is never replaced by a lossy one, and
+  a codec of the user's own is kept. bf16 is kept too: its device form packs buckets in
+  bfloat16 already (comm/datapath.py), which the exact sum cannot take, and the host and
+  device forms must give the same sums.
 
 Everything it changes happens on the engine thread (comm/engine.py), so trying a setting
 needs no retrace: each step of the trial runs with one candidate, in a schedule that is the
@@ -81,9 +83,12 @@ class _Trials:
         from tf_poseidon.comm.buckets import ALLREDUCE
         self.codec_names = [codec.name]
         # A lossy codec may give way to the exact sum on buckets summed on the host in float.
-        self.tunable = [kind == ALLREDUCE and dtype in ("float32", "float64")
+        self.may_be_exact = [kind == ALLREDUCE and dtype in ("float32", "float64")
                         for kind, _, dtype in layout]
-        if codec.name != EXACT and any(self.tunable):
+        # A codec whose device form packs in its own 16 bits (bf16) cannot give way on the
+        # device form's buckets, so, to give the two forms the same sums, on none.
+        if (codec.tunable and codec.name != EXACT and any(self.may_be_exact)
+                and np.dtype(codec.pack_dtype) == np.float32):
             self.codec_names.append(EXACT)
         self.configured = codec.name
         self.overlaps = list(overlaps)
@@ -102,7 +107,7 @@ class _Trials:
         self.medians: list[float] | None = None  # agreed median step times, once chosen
 
     def _uniform(self, name: str) -> tuple[str, ...]:
-        return tuple(name if tunable else self.configured for tunable in self.tunable)
+        return tuple(name if exact_ok else self.configured for exact_ok in self.may_be_exact)
 
     def _add(self, codec_choices: Sequence[tuple[str, ...]]) -> None:
         first = len(self.candidates)
@@ -128,19 +133,19 @@ class _Trials:
         return DEFAULT if self.current < 0 else self.candidates[self.current]
 
     def bucket_done(self, index: int, seconds: float) -> None:
-        if self.current >= 0 and self.tunable[index]:
+        if self.current >= 0 and self.may_be_exact[index]:
             name = self.candidates[self.current].codecs[index]
             self.bucket_times.setdefault((index, name), []).append(seconds)
 
     def _next_stage(self, comm) -> None:
         if self.stage == "uniform" and len(self.codec_names) > 1:
             self.stage = "mixed"
-            keys = [(i, name) for i in range(self.num_buckets) if self.tunable[i]
+            keys = [(i, name) for i in range(self.num_buckets) if self.may_be_exact[i]
                     for name in self.codec_names]
             slowest = _slowest(comm, [_median(self.bucket_times.get(k, [])) for k in keys])
             time_of = dict(zip(keys, slowest))
             mixed = tuple(min(self.codec_names, key=lambda n: (time_of[i, n], n != EXACT))
-                          if self.tunable[i] else self.configured
+                          if self.may_be_exact[i] else self.configured
                           for i in range(self.num_buckets))
             if mixed not in {self._uniform(n) for n in self.codec_names}:
                 self._add([mixed])
@@ -174,12 +179,12 @@ def _slowest(comm, values: Sequence[float]) -> list[float]:
     return [float(v) for v in array]
 
 
-def trial_steps(lossy_codec: bool, tune_overlap: bool = True, rounds: int = DEFAULT_ROUNDS,
+def trial_steps(tuned_codec: bool, tune_overlap: bool = True, rounds: int = DEFAULT_ROUNDS,
                 warmup: int = DEFAULT_WARMUP) -> int:
     """The most steps the trials of one bucket layout take before the choice: the warm-up,
     then ``rounds`` of every candidate (the mixed ones included)."""
     overlaps = 2 if tune_overlap else 1
-    codecs_tried = 3 if lossy_codec else 1  # the codec, the exact sum, the mix
+    codecs_tried = 3 if tuned_codec else 1  # the codec, the exact sum, the mix
     return warmup + rounds * overlaps * codecs_tried
 
 

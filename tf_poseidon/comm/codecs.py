@@ -14,7 +14,10 @@ sum it implies). It declares
   override it with something faster;
 * ``pack_dtype``: the dtype in which a float32 bucket packed on its device (comm/datapath.py)
   reaches ``sum_into``: float32, or the wire dtype where converting to it needs nothing from
-  the other ranks (bf16), so that the conversion runs on the device, fused into the pack.
+  the other ranks (bf16), so that the conversion runs on the device, fused into the pack;
+* ``tunable``: whether ``PoseidonStrategy(autotune=True)`` may send a bucket exactly instead
+  where that is faster (the built-in 16-bit codecs; a codec of your own is kept unless it says
+  so).
 
 ``PoseidonStrategy(compression=...)`` takes a registered name (``"none"``, ``"fp16"``,
 ``"bf16"``) or a Codec instance; :func:`register` adds a name. A codec outside the package is a
@@ -59,6 +62,10 @@ class Codec:
     wire_dtype: np.dtype = np.dtype(np.float32)
     meta_size: int = 0
     pack_dtype: np.dtype = np.dtype(np.float32)
+    tunable: bool = False
+    """Whether the autotuner (comm/autotune.py) may sum a bucket exactly instead, where that is
+    faster: a codec whose only purpose is fewer bytes (the built-in 16-bit ones). False keeps
+    the codec on every bucket, whatever it costs."""
 
     @property
     def bytes_per_element(self) -> float:
@@ -185,6 +192,7 @@ class HalfPrecision(Codec):
     """
 
     meta_size = 1
+    tunable = True
 
     def __init__(self, name: str, wire_dtype: np.dtype, scaled: bool):
         self.name = name

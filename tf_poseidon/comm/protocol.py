@@ -146,7 +146,9 @@ class AllReduce(BucketProtocol):
         payload dtype (host form) or in the codec's ``pack_dtype`` (device form) — through
         ``call.codec`` if the autotuner chose one, else the protocol's, and hands back the sums
         in that dtype."""
-        payload, codec = call.payload, call.codec or self.codec
+        payload, codec = call.payload, self.codec
+        if call.codec is not None and payload.dtype in (np.float32, np.float64):
+            codec = call.codec  # not for a payload packed in 16 bits on its device
         codec.sum_into(comm, payload, payload)
         sent = codec.wire_bytes(payload.size, comm.Get_size(), payload.dtype)
         return BucketResult(payload, *sent,
