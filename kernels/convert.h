@@ -72,12 +72,17 @@ struct F16 {
     const uint32_t two_w = w + w;
     const float normal = BitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
     const float subnormal = BitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
-    // A NaN keeps its payload, quieted, as the host's multiplication gives it (a GPU's would give
-    // its one canonical NaN).
-    const uint32_t nan = 0x7FC00000u | ((two_w >> 4) & 0x007FFFFFu);
     const uint32_t finite =
         Select(two_w < (1u << 27), FloatToBits(subnormal), FloatToBits(normal));
+#ifdef __CUDA_ARCH__
+    // A NaN keeps its payload, quieted, as the host's multiplication in `normal` gives it by
+    // itself (a GPU's multiplication gives its one canonical NaN instead). Only the device pays
+    // for the select: on the host it would keep the loops over elements from vectorising.
+    const uint32_t nan = 0x7FC00000u | ((two_w >> 4) & 0x007FFFFFu);
     return BitsToFloat((w & 0x80000000u) | Select(two_w > 0xF8000000u, nan, finite));
+#else
+    return BitsToFloat((w & 0x80000000u) | finite);
+#endif
   }
 
   static POSEIDON_HD uint16_t FromFloat(float f) {
