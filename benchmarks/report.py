@@ -34,30 +34,29 @@ class Config:
                 for k, v in self.options.items()}
 
 
+FIXED, NO_SFB = {"autotune": False}, {"sfb": "never", "autotune": False}
 CONFIGS = [
     Config("single", "one process, no distribution (compute-only reference)", "single"),
     Config("concurrent", "P independent processes, no communication", "concurrent"),
     Config("mwms", "TF MultiWorkerMirroredStrategy (RING, custom loop)", "mwms"),
     # The fixed settings (autotune=False); "auto" and "auto+fp16" are tuned in their first steps.
     Config("naive", "tf_poseidon sync, overlap=False, fp32 (naive)", "poseidon",
-           {"overlap": False, "sfb": "never", "autotune": False}),
-    Config("dwbp", "tf_poseidon sync + DWBP (overlap=True)", "poseidon",
-           {"sfb": "never", "autotune": False}),
-    Config("fp16", "DWBP + compression='fp16'", "poseidon",
-           {"compression": "fp16", "sfb": "never", "autotune": False}),
-    Config("sfb", "DWBP + sfb='auto'", "poseidon", {"autotune": False}),
+           {"overlap": False, **NO_SFB}),
+    Config("dwbp", "tf_poseidon sync + DWBP (overlap=True)", "poseidon", NO_SFB),
+    Config("fp16", "DWBP + compression='fp16'", "poseidon", {"compression": "fp16", **NO_SFB}),
+    Config("sfb", "DWBP + sfb='auto'", "poseidon", FIXED),
     Config("fp16+sfb", "DWBP + compression='fp16' + sfb='auto'", "poseidon",
-           {"compression": "fp16", "autotune": False}),
+           {"compression": "fp16", **FIXED}),
     Config("auto", "PoseidonStrategy() defaults: sfb='auto', autotune=True (overlap tuned in "
            "the first steps)", "poseidon"),
     Config("auto+fp16", "compression='fp16', autotuned: overlap and fp16 or exact per bucket",
            "poseidon", {"compression": "fp16"}),
     # start_step=0: the few steps timed are the compressed steady state, not the warm-up.
     Config("powersgd", "DWBP + lowrank=PowerSGD(rank=4): all-reduce, SFB or low-rank per layer",
-           "poseidon", {"lowrank": {"rank": 4, "start_step": 0}, "autotune": False}),
+           "poseidon", {"lowrank": {"rank": 4, "start_step": 0}, **FIXED}),
     Config("powersgd-always", "DWBP + PowerSGD(rank=4, choice='always'): every matrix "
            "compressing >= 2x", "poseidon",
-           {"lowrank": {"rank": 4, "start_step": 0, "choice": "always"}, "autotune": False}),
+           {"lowrank": {"rank": 4, "start_step": 0, "choice": "always"}, **FIXED}),
     Config("ssp", "mode='ssp', staleness=2", "poseidon", {"mode": "ssp", "staleness": 2}),
     # alpha·P = 0.9: Zhang et al.'s beta, as the results were measured with.
     Config("easgd", "mode='easgd', tau=4, alpha=0.9/P", "poseidon",
@@ -89,6 +88,11 @@ def _ok(r: dict | None) -> bool:
     return r is not None and r.get("status") == "ok" and bool(r.get("samples_per_s"))
 
 
+def _vs(r: dict, base: dict | None) -> float | None:
+    """``r``'s samples/s over ``base``'s where both succeeded, else None."""
+    return r["samples_per_s"] / base["samples_per_s"] if _ok(r) and _ok(base) else None
+
+
 def _place(model: str, ranks: int, bandwidth: str | None) -> tuple:
     """Table order: models.py's order, fewer ranks, slower links first."""
     return list(MODELS).index(model) if model in MODELS else 99, ranks, rate_bits(bandwidth) or 0
@@ -115,22 +119,18 @@ def derive(results: list[dict]) -> list[dict]:
     configuration's) and ``notes``; sorted by model, ranks, bandwidth, configuration."""
     rows, order = [], list(CONFIG_BY_NAME)
     for r in results:
-        single = find(results, r["model"], "single")
-        mwms = find(results, r["model"], "mwms", r["ranks"], r["bandwidth"])
-        concurrent = find(results, r["model"], "concurrent", r["ranks"], r["bandwidth"])
+        single, where = find(results, r["model"], "single"), (r["ranks"], r["bandwidth"])
         kind = CONFIG_BY_NAME[r["config"]].kind if r["config"] in CONFIG_BY_NAME else ""
+        distributed = kind in ("mwms", "poseidon")
         compute_s = single["step_s"] if _ok(single) else None
         wire, bits, ok = busiest(r), rate_bits(r["bandwidth"]), _ok(r)
         floor = [s for s in (compute_s, wire and bits and wire * 8 / bits) if s is not None]
         rows.append({
             **r, "compute_s": compute_s, "wire_bytes_per_step": wire, "kind": kind,
             "overhead": r["step_s"] / compute_s if ok and compute_s else None,
-            "vs_mwms": r["samples_per_s"] / mwms["samples_per_s"]
-            if kind in ("mwms", "poseidon") and ok and _ok(mwms) else None,
-            "vs_one_process": r["samples_per_s"] / single["samples_per_s"]
-            if ok and _ok(single) else None,
-            "of_ceiling": r["samples_per_s"] / concurrent["samples_per_s"]
-            if kind in ("mwms", "poseidon") and ok and _ok(concurrent) else None,
+            "vs_mwms": _vs(r, find(results, r["model"], "mwms", *where)) if distributed else None,
+            "vs_one_process": _vs(r, single), "of_ceiling": _vs(
+                r, find(results, r["model"], "concurrent", *where)) if distributed else None,
             "floor_s": max(floor) if ok and floor else None, "notes": _notes(results, r, wire)})
     return sorted(rows, key=lambda r: (*_place(r["model"], r["ranks"], r["bandwidth"]),
                                        order.index(r["config"]) if r["config"] in order else 99))
@@ -179,7 +179,6 @@ def goals(rows: list[dict]) -> list[dict]:
         best = max((r for r in rows if (r["model"], r["ranks"], r["bandwidth"]) == (
             model, ranks, bw) and _ok(r) and r["kind"] == "poseidon"),
             key=lambda r: r["samples_per_s"], default={})
-        concurrent = find(rows, model, "concurrent", ranks, bw)
         g = {"model": model, "ranks": ranks, "bandwidth": bw, "best": best.get("config"),
              "best_samples_per_s": best.get("samples_per_s"), "vs_mwms": best.get("vs_mwms"),
              "goal_vs_mwms": GOAL_VS_MWMS_FC if model in MODELS and MODELS[model].fc_heavy
@@ -187,8 +186,7 @@ def goals(rows: list[dict]) -> list[dict]:
              "goal_vs_one_process": GOAL_VS_ONE_PROCESS_2_HOSTS if ranks == 2 else None,
              "overhead": best.get("overhead"), "goal_overhead": GOAL_STEP_OVER_COMPUTE,
              "over_floor": best["step_s"] / best["floor_s"] if best.get("floor_s") else None,
-             "vs_concurrent": best["samples_per_s"] / concurrent["samples_per_s"]
-             if best and _ok(concurrent) else None}
+             "vs_concurrent": _vs(best, find(rows, model, "concurrent", ranks, bw))}
         for key, sense in (("vs_mwms", 1), ("vs_one_process", 1), ("overhead", -1)):
             value, goal = g[key], g[f"goal_{key}"]
             g[f"met_{key}"] = None if None in (value, goal) else sense * (value - goal) >= 0

@@ -7,9 +7,9 @@ link's effective bandwidth and the network stack's rate from --link-gbps and --s
 import json
 import os
 import sys
-import time
 
 from benchmarks import models, report, runner
+from benchmarks.kernels import timings
 
 PROTOCOL = {"naive": "naive", "dwbp": "allreduce", "fp16": "fp16", "sfb": "sfb",
             "fp16+sfb": "fp16+sfb", "powersgd": "lowrank"}
@@ -23,23 +23,14 @@ def local_rates() -> dict:
     PowerSGD rank-4 compute (gradient elements/s), one thread, best of several."""
     import numpy as np
     from tf_poseidon import host_kernels, ops
+    from tf_poseidon.sacp import cost_model
     u, v = np.ones((64, 2048), np.float32), np.ones((64, 2048), np.float32)
     x, out = np.ones(16 << 20, np.float32), np.empty(16 << 20, np.float16)
-
-    def best(fn) -> float:
-        fn()
-        return min(_timed(fn) for _ in range(5))
-    from tf_poseidon.sacp import cost_model
+    best = lambda fn: timings({"": fn}, 5)[""][0] / 1e3  # noqa: E731  (seconds)
     m, n = cost_model.PROBE_LOWRANK
     return {"flops_s": 2 * 64 * 2048 * 2048 / best(lambda: ops.sfb_reconstruct(u, v).numpy()),
             "convert_bytes_s": x.nbytes / best(lambda: host_kernels.convert(x, out, 1.0)),
             "lowrank_elements_s": m * n / cost_model._time_lowrank(4)}
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def measure(args, bench) -> dict:

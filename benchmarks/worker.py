@@ -12,8 +12,8 @@
 
 The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD, timed by
 one step clock (:class:`Clock`), then profile ``--profile`` more steps (tf_poseidon.profiling:
-seconds per phase of a step). Every result holds the rank's peak resident memory. Every rank writes ``DIR/rank<r>.json`` (atomically); rank 0
-appends progress lines to ``DIR/progress``.
+seconds per phase of a step). Every result holds the rank's peak resident memory. Every rank
+writes ``DIR/rank<r>.json`` (atomically); rank 0 appends progress lines to ``DIR/progress``.
 """
 
 import argparse
