@@ -33,37 +33,3 @@ POSEIDON_C_API void poseidon_host_sum_chunks(const void* chunks, int32_t wire_ty
 POSEIDON_C_API uint32_t poseidon_host_max_abs_bits(const float* x, int64_t n) {
   return poseidon::MaxAbsBits(x, n);
 }
-
-// out[i] = (a[i] - b[i]) * scale for i in [0, n): one pass for SSP's share of an update.
-POSEIDON_C_API void poseidon_host_scaled_difference(const float* __restrict a,
-                                                    const float* __restrict b,
-                                                    float* __restrict out, int64_t n,
-                                                    float scale) {
-  for (int64_t i = 0; i < n; ++i) out[i] = (a[i] - b[i]) * scale;
-}
-
-// out[i] = base[i] + sum_j (r[j][i] - scale * o[j][i]) for i in [0, n), j in [0, k), summed in
-// order j = 0, 1, ... (base = nullptr counts as zeros): one pass over the inputs and the output
-// for SSP's late updates (each result less the own contribution in it) added to the variables'
-// values. out must not overlap r or o; it may be base. k >= 1.
-POSEIDON_C_API void poseidon_host_sum_of_differences(const float* const* r, const float* const* o,
-                                                     int32_t k, float scale, const float* base,
-                                                     float* out, int64_t n) {
-  // Tiles small enough that out's tile stays in L1 while the k pairs are added into it.
-  constexpr int64_t kTile = 2048;
-  for (int64_t start = 0; start < n; start += kTile) {
-    const int64_t end = start + kTile < n ? start + kTile : n;
-    const float* __restrict r0 = r[0];
-    const float* __restrict o0 = o[0];
-    if (base != nullptr) {
-      for (int64_t i = start; i < end; ++i) out[i] = base[i] + (r0[i] - scale * o0[i]);
-    } else {
-      for (int64_t i = start; i < end; ++i) out[i] = r0[i] - scale * o0[i];
-    }
-    for (int32_t j = 1; j < k; ++j) {
-      const float* __restrict rj = r[j];
-      const float* __restrict oj = o[j];
-      for (int64_t i = start; i < end; ++i) out[i] += rj[i] - scale * oj[i];
-    }
-  }
-}

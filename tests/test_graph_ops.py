@@ -42,20 +42,28 @@ def test_tensorflow_adopts_an_aligned_output_without_copying_it():
     assert _address_seen_by_tensorflow(unaligned) != unaligned.ctypes.data
 
 
-def test_a_variable_assigned_an_adopted_output_takes_its_buffer():
-    # Why SSP assigns its refreshed values instead of adding the late updates: the assign of a
-    # reshaped, adopted numpy_function output makes it the variable's buffer (no pass over it).
-    variable = tf.Variable(tf.zeros([512, 256]))
-    refreshed = buckets.aligned_empty(512 * 256, np.float32)
-    refreshed[:] = 3.0
+def test_assign_add_of_an_adopted_output_updates_the_variable_in_place():
+    # Why SSP holds no more than two buffers per bucket beyond the variables (algorithms/ssp.py):
+    # W += correction, the correction an adopted numpy_function output, writes into the
+    # variable's own buffer — also after the step has read the variable for its exchange.
+    variable = tf.Variable(tf.ones([512, 256]))
+    correction = buckets.aligned_empty(512 * 256, np.float32)
+    correction[:] = 2.0
+
+    def address(tensor):
+        return tf.numpy_function(lambda a: np.int64(a.ctypes.data), [tensor], tf.int64,
+                                 stateful=True)
 
     @tf.function(autograph=False)
-    def assign():
-        tensor = tf.numpy_function(lambda: refreshed, [], tf.float32, stateful=True)
-        variable.assign(tf.reshape(tensor, variable.shape))
-        return tf.numpy_function(lambda v: np.int64(v.ctypes.data), [variable.read_value()],
-                                 tf.int64, stateful=True)
-    assert int(assign()) == refreshed.ctypes.data
+    def step():
+        before = address(tf.identity(variable))  # the exchange's read of the updated values
+        with tf.control_dependencies([before]):
+            piece = tf.numpy_function(lambda: correction, [], tf.float32, stateful=True)
+            update = variable.assign_add(tf.reshape(piece, variable.shape))
+        with tf.control_dependencies([update]):
+            return before, address(variable.read_value())
+    before, after = step()
+    assert int(before) == int(after)
     np.testing.assert_array_equal(variable.numpy(), 3.0)
 
 

@@ -95,45 +95,6 @@ def test_max_abs_sees_nan_and_inf_anywhere(kernels, rng):
     assert np.isnan(kernels.max_abs(values))
 
 
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16,
-                                   tf.bfloat16.as_numpy_dtype], ids=str)
-def test_scaled_difference_matches_numpy(kernels, rng, dtype, size):
-    a, b = (rng.normal(size=size).astype(dtype) for _ in range(2))
-    out = np.full(size, 7, np.float64 if dtype == np.float64 else np.float32)
-    kernels.scaled_difference(a, b, out, 0.25)
-    expected = (a.astype(out.dtype) - b.astype(out.dtype)) * out.dtype.type(0.25)
-    np.testing.assert_array_equal(out, expected)
-
-
-@pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("pairs", [1, 3])
-@pytest.mark.parametrize("base", ["none", "separate", "in_place"])
-def test_sum_of_differences_matches_float64(kernels, rng, dtype, size, pairs, base):
-    results = [rng.normal(size=size).astype(dtype) for _ in range(pairs)]
-    owns = [rng.normal(size=size).astype(dtype) for _ in range(pairs)]
-    x = rng.normal(size=size).astype(dtype) if base != "none" else np.zeros(size, dtype)
-    exact = x.astype(np.float64) + sum(r.astype(np.float64) - 3.0 * o
-                                       for r, o in zip(results, owns))
-    # Within one rounding of each operation (the compiled loop may fuse the multiply-add).
-    bound = 4 * (pairs + 1) * np.finfo(dtype).eps * (
-        np.abs(x) + sum(np.abs(r) + 3 * np.abs(o) for r, o in zip(results, owns)))
-    out = x if base == "in_place" else np.full(size, 7, dtype)
-    kernels.sum_of_differences(results, owns, 3.0, out, None if base == "none" else x)
-    assert np.all(np.abs(out - exact) <= bound)
-
-
-def test_sum_of_differences_rounds_once_into_bfloat16(kernels, rng):
-    bfloat16 = tf.bfloat16.as_numpy_dtype
-    base = rng.normal(size=1000).astype(bfloat16)
-    result, own = (rng.normal(size=1000).astype(np.float32) * 1e-3 for _ in range(2))
-    out = np.zeros(1000, bfloat16)
-    kernels.sum_of_differences([result], [own], 2.0, out, base)
-    exact = base.astype(np.float32) + (result - 2.0 * own)
-    np.testing.assert_array_equal(out, exact.astype(bfloat16))
-
-
 @pytest.mark.parametrize("call, message", [
     (lambda: host_kernels.convert(np.zeros(3, np.float32), np.zeros(4, np.float16)),
      "src has 3 elements but dst has 4"),
@@ -148,17 +109,6 @@ def test_sum_of_differences_rounds_once_into_bfloat16(kernels, rng):
     (lambda: host_kernels.sum_chunks(np.zeros((2, 6), np.float16), np.zeros(5, np.float32)),
      "out have n elements"),
     (lambda: host_kernels.max_abs(np.zeros(3, np.float16)), "x must be float32"),
-    (lambda: host_kernels.scaled_difference(np.zeros(3, np.float32), np.zeros(4, np.float32),
-                                            np.zeros(3, np.float32), 1.0),
-     "same number of elements, got a 3, b 4, out 3"),
-    (lambda: host_kernels.sum_of_differences([np.zeros(3, np.int64)], [np.zeros(3)], 1.0,
-                                             np.zeros(3)),
-     "results[0] must be a numpy array of floats, got int64"),
-    (lambda: host_kernels.sum_of_differences([np.zeros(3)], [], 1.0, np.zeros(3)),
-     "needs as many owns as results, at least one, got 1 and 0"),
-    (lambda: host_kernels.sum_of_differences([np.zeros(3)], [np.zeros(3, np.float32)], 1.0,
-                                             np.zeros(3)),
-     "results and owns must all have one dtype"),
 ])
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(ValueError) as error:

@@ -1,7 +1,7 @@
 """SSP's bookkeeping (algorithms/ssp.py: _DeltaExchange) in this process: P ranks as threads, each
-with a real CommEngine on the loopback communicator, drive the exchange's methods as the graph's
-ops would (pack in the enqueue, refresh in the collect, refreshed values when due, drain at the
-end), ranks running at uneven speeds.
+with a real CommEngine on the loopback communicator, drive the exchange eagerly as a train step
+does (the base taken before the update, the batch's exchange after it, the drain at the end),
+ranks running at uneven speeds.
 
 After every step, each rank's variables must hold every rank's averaged update of each step its
 exchange has applied, and its own full update of each later step — with the steps applied
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_poseidon.algorithms.ssp import SSPStats, _DeltaExchange, assign_refreshed
+from tf_poseidon.algorithms.ssp import SSPStats, _DeltaExchange
 from tf_poseidon.comm import codecs
 from tf_poseidon.comm.buckets import plan_buckets
 from tf_poseidon.comm.engine import CommEngine
+from tf_poseidon.comm.graph_ops import Sequencer
 from tf_poseidon.testing.loopback import LoopbackWorld
 
 STEPS = 9
@@ -53,26 +54,22 @@ def run_rank(comm, staleness, codec_name, updates, initial):
     assert len(exchange.plan) > 1
     jitter = np.random.default_rng(rank)
     history, applied = [], []
+    sequencer = Sequencer()
     for step in range(STEPS):
-        before = [v.numpy() for v in variables]
+        exchange.before_update()
         for variable, delta in zip(variables, updates[rank][step]):
             variable.assign_add(delta)  # the optimizer's update, from the local gradient
-        for bucket in exchange.plan:  # the enqueue ops
-            arrays = [a for i in bucket.members for a in (variables[i].numpy(), before[i])]
-            engine.submit(exchange.group, bucket.index, exchange.pack(bucket, arrays))
-        for bucket in exchange.plan:  # the collect ops, and the assign when due
-            if exchange.refresh(bucket.index)[0]:
-                assign_refreshed(exchange, bucket, variables)
+        exchange.after_update(engine, sequencer)
         history.append([v.numpy() for v in variables])
         applied.append([exchange._applied[b.index] for b in exchange.plan])
         if jitter.random() < 0.5:  # ranks run at uneven speeds
             time.sleep(jitter.uniform(0, 0.01) * (1 + 3 * (rank == 0)))
-    exchange.drain()
+    exchange.drain(engine, sequencer)
     return history, applied, [v.numpy() for v in variables], exchange.plan, stats.lateness
 
 
 @pytest.mark.parametrize("codec_name", ["none", "fp16"])
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_every_update_is_applied_once_within_the_staleness_bound(monkeypatch, num_ranks,
                                                                  staleness, codec_name):

@@ -12,8 +12,7 @@ library's C API (``kernels/poseidon_host_api.cc``), on the caller's arrays, in t
 with ``TF_POSEIDON_REQUIRE_OPS=1`` that is a RuntimeError instead.
 
 Arrays: C-contiguous numpy arrays of float32, float16 or bfloat16 (``tf.bfloat16.as_numpy_dtype``);
-anything else raises ValueError naming the argument; ``scaled_difference`` and
-``sum_of_differences`` (SSP's passes) take any float dtypes, the compiled loop serving float32.
+anything else raises ValueError naming the argument.
 All functions block until done.
 """
 
@@ -21,14 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Sequence
 
 import numpy as np
 
 from tf_poseidon import ops
 
-__all__ = ["available", "convert", "sum_chunks", "max_abs", "scaled_difference",
-           "sum_of_differences"]
+__all__ = ["available", "convert", "sum_chunks", "max_abs"]
 
 # poseidon::Dtype (kernels/convert.h)
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -97,74 +94,6 @@ def max_abs(x: np.ndarray) -> float:
     return float(bits.view(np.float32)[0])
 
 
-def scaled_difference(a: np.ndarray, b: np.ndarray, out: np.ndarray, scale: float) -> None:
-    """``out = (a - b) * scale`` elementwise, in ``out``'s dtype (``a``, ``b`` are converted to
-    it first). One pass when all three are float32; ``out`` must not overlap ``a`` or ``b``."""
-    _check_same_size("scaled_difference", a=a, b=b, out=out)
-    api = _c_api()
-    if api is not None and _all_float32(a, b, out):
-        api.poseidon_host_scaled_difference(a.ctypes.data, b.ctypes.data, out.ctypes.data,
-                                            out.size, scale)
-        return
-    flat = out.reshape(-1)
-    np.subtract(a.reshape(-1).astype(out.dtype, copy=False),
-                b.reshape(-1).astype(out.dtype, copy=False), out=flat)
-    flat *= out.dtype.type(scale)
-
-
-def sum_of_differences(results: Sequence[np.ndarray], owns: Sequence[np.ndarray],
-                       scale: float, out: np.ndarray, base: np.ndarray | None = None) -> None:
-    """``out = base + Σ_j (results[j] - scale * owns[j])`` elementwise (no ``base``: zeros),
-    summed in order j = 0, 1, ... in the dtype of ``results`` and ``owns`` (one float dtype, at
-    least one pair), then rounded to ``out``'s; ``base`` of any float dtype, all of one size.
-    ``out`` may be ``base`` but must not overlap the other inputs. One pass over all of them
-    when all are float32 (the compiled loop may fuse the multiply-add: within an ulp per term
-    of numpy's)."""
-    if len(results) != len(owns) or not results:
-        raise ValueError(f"sum_of_differences: needs as many owns as results, at least one, "
-                         f"got {len(results)} and {len(owns)}")
-    extra = {} if base is None else {"base": base}
-    _check_same_size("sum_of_differences", out=out, **extra,
-                     **{f"results[{j}]": r for j, r in enumerate(results)},
-                     **{f"owns[{j}]": o for j, o in enumerate(owns)})
-    dtype = results[0].dtype
-    if any(a.dtype != dtype for a in (*results, *owns)):
-        raise ValueError("sum_of_differences: results and owns must all have one dtype")
-    api = _c_api()
-    if api is not None and _all_float32(out, results[0], *extra.values()):
-        pointers = ctypes.c_void_p * len(results)
-        api.poseidon_host_sum_of_differences(pointers(*(r.ctypes.data for r in results)),
-                                             pointers(*(o.ctypes.data for o in owns)),
-                                             len(results), scale,
-                                             None if base is None else base.ctypes.data,
-                                             out.ctypes.data, out.size)
-        return
-    factor = dtype.type(scale)
-    total = (np.zeros(out.size, dtype) if base is None
-             else base.reshape(-1).astype(dtype, copy=True))
-    for result, own in zip(results, owns):
-        total += result.reshape(-1) - own.reshape(-1) * factor
-    np.copyto(out.reshape(-1), total, casting="unsafe")
-
-
-def _check_same_size(function: str, **arrays: np.ndarray) -> None:
-    for name, array in arrays.items():
-        if not isinstance(array, np.ndarray) or (array.dtype.kind != "f"
-                                                 and array.dtype.name != "bfloat16"):
-            raise ValueError(f"{function}: {name} must be a numpy array of floats, got "
-                             f"{getattr(array, 'dtype', type(array).__name__)}")
-        if not array.flags.c_contiguous:
-            raise ValueError(f"{function}: {name} must be C-contiguous (np.ascontiguousarray)")
-    sizes = {name: array.size for name, array in arrays.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"{function}: the arrays must have the same number of elements, got "
-                         + ", ".join(f"{name} {size}" for name, size in sizes.items()))
-
-
-def _all_float32(*arrays: np.ndarray) -> bool:
-    return all(array.dtype == np.float32 for array in arrays)
-
-
 def _code(array: np.ndarray, name: str) -> int:
     code = _DTYPE_CODES.get(array.dtype.name) if isinstance(array, np.ndarray) else None
     if code is None:
@@ -192,8 +121,4 @@ def _declare(api: ctypes.CDLL) -> ctypes.CDLL:
     api.poseidon_host_sum_chunks.restype = None
     api.poseidon_host_max_abs_bits.argtypes = [ptr, i64]
     api.poseidon_host_max_abs_bits.restype = ctypes.c_uint32
-    api.poseidon_host_scaled_difference.argtypes = [ptr, ptr, ptr, i64, f32]
-    api.poseidon_host_scaled_difference.restype = None
-    api.poseidon_host_sum_of_differences.argtypes = [ptr, ptr, i32, f32, ptr, ptr, i64]
-    api.poseidon_host_sum_of_differences.restype = None
     return api

@@ -158,7 +158,8 @@ class PoseidonStrategy(distribute_lib.Strategy):
         and received, and per bucket the same with its layers), ``per_layer`` (bytes per
         variable per step), ``summary`` (means, and ``hidden_fraction`` = overlapped /
         communication time), ``mode`` (the mode's own figures; SSP: ``staleness_histogram``,
-        how many steps late remote updates were applied, and ``blocked_on_bound_s``).
+        how many steps late remote updates were applied, ``blocked_on_bound_s`` and
+        ``batch_steps``).
         Definitions in tf_poseidon/comm/stats.py. In a world of one process there is no
         communication: the lists are empty. SSP's delta exchange shows as group
         "ssp_deltas", not "gradients", in ``steps``.

@@ -1,32 +1,38 @@
 """Stale synchronous parallel (mode="ssp", staleness=s): bounded-staleness delta exchange.
 
 Ho et al.'s SSP, realised with collectives instead of a parameter server. What travels is each
-rank's *parameter update* (the delta its optimizer made from its own, local-mean gradient),
-averaged over ranks: the weights every rank converges to are
+rank's *parameter update* (what its optimizer did to the variables, from its own, local-mean
+gradients), averaged over ranks: the weights every rank converges to are
 
     W = W_0 + Σ_t (1/P) Σ_p Δ_p(t).
 
-At step t, rank p
+Each rank's optimizer updates its variables from its local gradient (so its optimizer state —
+momentum, Adam moments — follows its own gradients, as a worker's does in SSP) and keeps its own
+updates in full until the others' arrive (an SSP worker reads its own writes). The steps go in
+*batches* of m = ⌊(s+1)/2⌋ consecutive steps (m = 1 for s <= 2), one exchange per batch, at most
+one in flight; per bucket a rank holds two buffers of the parameters' size, whatever s: the
+*base* (its variables' values where the current batch began) and the batch in flight. At the
+batch's last step, after the optimizer's update, rank p
 
-1. lets its optimizer update the variables from its local gradient (so its optimizer state —
-   momentum, Adam moments — follows its own gradients, as a worker's does in SSP), and keeps
-   that update Δ_p(t) in full for now (an SSP worker reads its own writes);
-2. posts the all-reduce of Δ_p(t)/P without waiting;
-3. if step t−s's all-reduce is not applied yet, *waits* for it and applies it with every later
-   one already completed, each as R(τ) − Δ_p(τ): the average less the own update it holds (so
-   the others' updates of step t are applied no later than its step t+s, and a rank more than
-   s steps ahead of the slowest blocks). Like an SSP worker's cache, refreshed only when too
-   stale, late updates come in batches of about s steps: one pass over the parameters each.
+1. turns the base into its batch update d_p = W − base (in place, one pass) and hands it to
+   the engine, which sums it over ranks and turns it, chunk by chunk and in place, into the
+   correction c_p = (Σ_q d_q)/P − d_p: the average less the own update W already holds;
+2. waits for the previous batch's correction (sent m steps before: the staleness bound's
+   wait, at most the collective timeout) and applies it, W += c (in place), then copies the
+   new W into the freed buffer: the next batch's base.
 
-Every update is applied exactly once on every rank, so after a drain (all pending all-reduces
-completed and applied: end of ``fit``, before ``evaluate``/``predict``/saving, and
-``strategy.drain()``) the replicas agree, up to float summation order. Deltas are averaged,
-not summed, so the step size is that of one optimizer step (for plain SGD, averaging the deltas
-of local-mean gradients is exactly the sync step; for adaptive optimizers, summing P steps
-would multiply the learning rate by P). ``staleness=0`` is sync mode itself (algorithms/sync.py).
+So the others' updates of step t are applied at the latest in step t + 2m − 1 <= t + s, a rank
+runs at most about m steps ahead of the slowest before it blocks, and every update is applied
+exactly once on every rank: after a drain (the partial batch exchanged and everything applied:
+end of ``fit``, before ``evaluate``/``predict``/saving, and ``strategy.drain()``) the replicas
+agree, up to float summation order. Deltas are averaged, not summed, so the step size is that
+of one optimizer step (for plain SGD, averaging the deltas of local-mean gradients is exactly
+the sync step; for adaptive optimizers, summing P steps would multiply the learning rate by P).
+``staleness=0`` is sync mode itself (algorithms/sync.py).
 
 Sufficient factor broadcasting does not apply (a delta after momentum or Adam is not the rank-K
 product of the layer's factors); compression does (the deltas travel in fp16/bf16).
+docs/ssp.md has the costs and measurements.
 """
 
 from __future__ import annotations
@@ -41,20 +47,22 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_poseidon import host_kernels
 from tf_poseidon.algorithms.base import (Algorithm, AlgorithmContext, AlgorithmImpl,
                                          items_of, variable_names)
 from tf_poseidon.algorithms.registry import register
 from tf_poseidon.algorithms.sync import GRADIENTS, SyncImpl
 from tf_poseidon.comm import buckets as buckets_lib, collectives, graph_ops
 from tf_poseidon.comm.codecs import Codec, Exact
-from tf_poseidon.comm.engine import CollectiveGroup
+from tf_poseidon.comm.engine import CollectiveGroup, CommEngine
 from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 
 
 PAIRWISE_TAG = 7200  # the two-rank exchange's messages on the engine's communicator
 DELTAS = "ssp_deltas"
-"""The collective group of a training step's parameter deltas."""
+"""The collective group of a batch's parameter deltas."""
+CHUNK_BYTES = 16 << 20
+"""The engine sums a batch in chunks of this size into a scratch buffer of its own, so that the
+correction replaces the update in place (the only memory beyond the two buffers per bucket)."""
 
 
 @register
@@ -82,28 +90,23 @@ class SSP(Algorithm):
         return SyncImpl(context) if self.staleness == 0 else SSPImpl(context, self.staleness)
 
 
+def batch_steps(staleness: int) -> int:
+    """m, the steps of one exchange: the largest with 2m − 1 <= staleness (at least 1)."""
+    return max(1, (staleness + 1) // 2)
+
+
 class _DeltaExchange(BucketProtocol):
-    """The stale all-reduce of one set of variables, as the protocol of its buckets (kind
-    "ssp_delta"): its engine group, this rank's own shares still in flight, and how far each
-    bucket's results have been applied.
+    """The batched delta exchange of one set of variables, as the protocol of its buckets (kind
+    "ssp_delta"): its engine group, the two buffers per bucket, and the steps each batch holds.
 
-    Per step and bucket, on TF's threads: ``pack`` (in the enqueue op) forms this rank's
-    share Δ/P from the variables after and before the update; ``refresh`` (the collect) decides
-    whether step t must apply late updates — only when step t−s's are not applied yet — and if
-    so waits for those and takes every other step's already completed too; ``refreshed_values``
-    then returns the variables' new values
-
-        W + Σ_τ (R(τ) − P·Δ_p(τ)/P)     over the steps τ taken,
-
-    with R(τ) the all-reduced shares: what turns the own update, applied in full by the
-    optimizer, into everyone's average. (At two ranks without compression R(τ) is the peer's
-    share alone, and the own share counts once: W + Σ_τ (R(τ) − Δ_p(τ)/P).) Applying late
-    updates in batches of about s steps, as an SSP worker refreshes its cache only when it is
-    too stale, makes one pass over the parameters per batch instead of one per step, and the
-    new values are assigned, not added (TensorFlow adopts the aligned arrays as the variables'
-    buffers). Each step's share stays in place while in flight (the result is written into a
-    separate buffer), and both go back to a pool once applied. ``drain`` runs eagerly; a lock
-    guards the bookkeeping.
+    Graph side, built by the methods a train step calls (``before_update``, ``after_update``;
+    eagerly they run at once): at the first step after a rebase (creation, a drain) the base is
+    taken before the update (``take_base``); at a batch's last step the group runs through
+    ``graph_ops.run_buckets``: ``pack`` (the enqueue op) makes the base into d = W − base,
+    ``receive`` (the collect op) waits for the previous batch's correction if there is one, and
+    ``finish`` applies it (``apply``, in a tf.cond) and takes the next base (``next_base``).
+    ``run`` is the engine's side; ``drain`` runs eagerly. A lock guards the bookkeeping shared
+    with the engine thread.
     """
 
     kind = "ssp_delta"
@@ -113,138 +116,219 @@ class _DeltaExchange(BucketProtocol):
         self.variables = list(variables)
         self.plan = plan_buckets(items_of(self.variables, variable_names(self.variables),
                                           self.kind))
-        self.staleness = staleness
+        self.batch_steps = batch_steps(staleness)
         self.num_replicas = num_replicas
         self.stats = stats
         self.group = CollectiveGroup(group_name, self.plan, {self.kind: self})
         self._codec = codec
-        # Two ranks, uncompressed: the result is the peer's share alone (an exchange, which
-        # Open MPI completes in one single-copy transfer, where its non-blocking all-reduce
-        # takes rounds of polling and a summing pass), and each own share is subtracted once.
+        # Two ranks, uncompressed: the peer's update comes by an exchange, which Open MPI
+        # completes in one single-copy transfer, where its non-blocking all-reduce takes rounds
+        # of polling and a summing pass (docs/ssp.md).
         self._pairwise = num_replicas == 2 and isinstance(self._codec, Exact)
-        self._own_scale = 1 if self._pairwise else num_replicas
+        with tf.init_scope():  # plain eager variables, also when made while tracing
+            self.position = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="ssp_batch_position")  # steps of the batch taken
+            self.rebase = tf.Variable(True, trainable=False, name="ssp_rebase")
         count = len(self.plan)
-        self._own = [collections.deque() for _ in range(count)]  # own shares in flight
-        self._steps = [0] * count                    # refresh() calls = current step
-        self._applied = [0] * count                  # instances applied
-        self._due: list[list] = [[] for _ in range(count)]  # (result, own) taken, not applied
-        self._pool: dict[tuple[int, np.dtype], list[np.ndarray]] = collections.defaultdict(list)
+        self._base: list[np.ndarray | None] = [None] * count   # the current batch's base
+        self._spare: list[list[np.ndarray]] = [[] for _ in range(count)]  # free buffers
+        self._due: list[np.ndarray | None] = [None] * count    # a correction taken, not applied
+        self._sent = [collections.deque() for _ in range(count)]  # (first step, steps) in flight
+        self._steps = [0] * count    # steps handed to the engine
+        self._applied = [0] * count  # steps applied
+        self._scratch: dict[np.dtype, np.ndarray] = {}  # the engine thread's, per dtype
         self._lock = threading.Lock()
 
-    def _buffer(self, size: int, dtype: np.dtype) -> np.ndarray:
-        with self._lock:
-            free = self._pool[size, dtype]
-            return free.pop() if free else buckets_lib.aligned_empty(size, dtype)
+    # -- graph side ----------------------------------------------------------------------
 
-    def _release(self, *buffers: np.ndarray) -> None:
-        with self._lock:
-            for buffer in buffers:
-                self._pool[buffer.size, buffer.dtype].append(buffer)
+    def before_update(self) -> tf.Tensor:
+        """Before the optimizer's update (the caller makes the update wait for the result):
+        takes the base on the first step after a rebase; a scalar int64."""
+        def take():
+            done = graph_ops.numpy_outputs(self.take_base,
+                                           [v.read_value() for v in self.variables],
+                                           [tf.int64], f"tp_base_{self.group.name}")
+            with tf.control_dependencies(done):
+                self.rebase.assign(False)
+            return tf.constant(0, tf.int64)
+        return tf.cond(self.rebase, take, lambda: tf.constant(0, tf.int64))
 
-    def run(self, comm, call: BucketCall) -> BucketResult:
-        """Engine thread: the result goes to a buffer of its own; the share stays for
-        refreshed_values. Nothing waits for it before step t+s, so it waits without spinning
-        a core."""
-        share = call.payload
-        comm, out = collectives.YieldingComm(comm), self._buffer(share.size, share.dtype)
-        sent = self._codec.wire_bytes(share.size, comm.Get_size(), share.dtype)
-        if self._pairwise:
-            peer = 1 - comm.Get_rank()
-            comm.Sendrecv(share, dest=peer, recvbuf=out, source=peer, tag=PAIRWISE_TAG)
-        else:
-            self._codec.sum_into(comm, share, out)
-        return BucketResult(out, *sent)
+    def after_update(self, engine: CommEngine, sequencer: graph_ops.Sequencer) -> None:
+        """After the optimizer's update: counts the step and, at a batch's last one, runs the
+        exchange (every rank takes the same branch: same step count)."""
+        position = self.position.assign_add(1)
+
+        def exchange():
+            self._exchange(engine, sequencer)
+            return tf.constant(0, tf.int64)
+        tf.cond(tf.equal(position, self.batch_steps), exchange,
+                lambda: tf.constant(0, tf.int64))
+
+    def _exchange(self, engine: CommEngine, sequencer: graph_ops.Sequencer) -> None:
+        graph_ops.run_buckets(engine, sequencer, self.group,
+                              [[tf.identity(v)] for v in self.variables])
+        self.position.assign(0)
+
+    def take_base(self, *values: np.ndarray) -> np.int64:
+        """TF thread: the variables' ``values`` (in variable order) become each bucket's base."""
+        for bucket in self.plan:
+            base = self._buffer(bucket)
+            for i, part in zip(bucket.members, buckets_lib.member_slices(bucket.sizes)):
+                base[part] = values[i].reshape(-1)
+            self._base[bucket.index] = base
+        return np.int64(0)
+
+    def stage(self, bucket: buckets_lib.Bucket, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        return [*tensors, self.position.read_value()]
 
     def pack(self, bucket: buckets_lib.Bucket, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """The bucket's Δ/P from its members' values after and before the update (``arrays``:
-        after, before of each member in turn)."""
-        own = self._buffer(bucket.num_elements, bucket.payload_dtype)
-        for after, before, part in zip(arrays[::2], arrays[1::2],
-                                       buckets_lib.member_slices(bucket.sizes)):
-            host_kernels.scaled_difference(after, before, own[part], 1.0 / self.num_replicas)
+        """The bucket's batch update d = W − base, in the base's buffer (``arrays``: the
+        members' values after the update, then the steps in the batch)."""
+        *values, steps = arrays
+        index = bucket.index
+        update, self._base[index] = self._base[index], None
+        for value, part in zip(values, buckets_lib.member_slices(bucket.sizes)):
+            np.subtract(value.reshape(-1).astype(update.dtype, copy=False), update[part],
+                        out=update[part])
         with self._lock:
-            self._own[bucket.index].append(own)
-        return own
+            self._sent[index].append((self._steps[index], int(steps)))
+            self._steps[index] += int(steps)
+        return update
 
     def outputs(self, bucket: buckets_lib.Bucket) -> list[tuple[tf.DType, list]]:
         return [(tf.bool, [1])]
 
     def receive(self, group, bucket: buckets_lib.Bucket) -> list[np.ndarray]:
-        return [self.refresh(bucket.index)]
+        """TF thread, in the collect op of a batch's last step t: if a batch was in flight
+        before this one, waits for its correction (at most the collective timeout), takes it
+        for ``apply`` and returns ``[True]``; else ``[False]``."""
+        index = bucket.index
+        with self._lock:
+            due = len(self._sent[index]) > 1
+        if due:
+            self._take(index, now=self._steps[index] - 1)
+        return [np.array([due])]
 
     def finish(self, bucket, outputs, inputs) -> list[None]:
-        """Assigns the refreshed values when late updates were due (a tf.cond)."""
+        """Applies the correction taken, when there was one (a tf.cond)."""
         [due] = outputs
-        tf.cond(due[0], functools.partial(assign_refreshed, self, bucket, self.variables),
-                lambda: None)
+
+        def apply_then_rebase():
+            with tf.control_dependencies(self.apply(bucket)):
+                return self._rebase(bucket)
+        tf.cond(due[0], apply_then_rebase, functools.partial(self._rebase, bucket))
         return [None] * len(bucket.members)
 
-    def _take(self, index: int, result: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Matches the next ``result`` with its own share, recording how late it is applied."""
+    def _rebase(self, bucket: buckets_lib.Bucket) -> tf.Tensor:
+        [done] = graph_ops.numpy_outputs(
+            functools.partial(self.next_base, bucket), [self.variables[i].read_value()
+                                                        for i in bucket.members],
+            [tf.int64], f"tp_next_base_{self.group.name}_{bucket.index}")
+        return done
+
+    def apply(self, bucket: buckets_lib.Bucket) -> list:
+        """W += the correction taken, for ``bucket``'s members, in place (a variable of another
+        dtype than the payload's, bfloat16, is summed in the payload's and rounded once);
+        returns the update ops. Graph ops, or eagerly."""
+        members = [self.variables[i] for i in bucket.members]
+        pieces = graph_ops.numpy_outputs(
+            functools.partial(self.correction, bucket.index), [],
+            [tf.as_dtype(bucket.payload_dtype)] * len(members),
+            f"tp_correction_{self.group.name}_{bucket.index}")
+        updates = []
+        for variable, piece in zip(members, pieces):
+            piece = tf.reshape(piece, variable.shape)
+            if piece.dtype == variable.dtype:
+                updates.append(variable.assign_add(piece))
+            else:
+                updates.append(variable.assign(
+                    tf.cast(tf.cast(variable, piece.dtype) + piece, variable.dtype)))
+        return updates
+
+    def correction(self, index: int) -> list[np.ndarray]:
+        """Bucket ``index``'s correction taken, one piece per member (views of its buffer)."""
+        due = self._due[index]
+        return [due[part] for part in buckets_lib.member_slices(self.plan[index].sizes)]
+
+    def next_base(self, bucket: buckets_lib.Bucket, *values: np.ndarray) -> np.int64:
+        """TF thread, at a batch's last step after any correction is applied: the members' new
+        ``values`` become the next batch's base, in the applied correction's buffer (else a
+        spare one)."""
+        index = bucket.index
+        base, self._due[index] = self._due[index], None
+        if base is None:
+            base = self._buffer(bucket)
+        for value, part in zip(values, buckets_lib.member_slices(bucket.sizes)):
+            base[part] = value.reshape(-1)
+        self._base[index] = base
+        return np.int64(0)
+
+    def _take(self, index: int, now: int) -> None:
+        """Waits for the oldest batch in flight and keeps its correction for applying at step
+        ``now``, recording how late each of its steps is."""
         with self._lock:
-            own = self._own[index].popleft()
-            instance = self._applied[index]
-            self._applied[index] += 1
+            first, steps = self._sent[index].popleft()
+        start = time.perf_counter()
+        self._due[index] = self.group.wait_result(index)
+        self.stats.record_blocked(time.perf_counter() - start)
+        self._applied[index] += steps
         if index == 0:
-            self.stats.record_lateness(step - instance)
-        return result, own
+            for step in range(first, first + steps):
+                self.stats.record_lateness(now - step)
 
-    def refresh(self, index: int) -> np.ndarray:
-        """TF thread, in bucket ``index``'s collect op at step t: if step t−s's late updates
-        are not applied yet, waits for them (at most the collective timeout each), takes those
-        of every later step already completed (for ``refreshed_values``) and returns
-        ``[True]``; else ``[False]``."""
-        with self._lock:
-            step = self._steps[index]
-            self._steps[index] += 1
-        if self._applied[index] > step - self.staleness:
-            return np.array([False])
-        while self._applied[index] <= step - self.staleness:
-            start = time.perf_counter()
-            result = self.group.wait_result(index)
-            self.stats.record_blocked(time.perf_counter() - start)
-            self._due[index].append(self._take(index, result, step))
-        while self._applied[index] <= step:
-            result = self.group.poll_result(index)
-            if result is None:
-                break
-            self._due[index].append(self._take(index, result, step))
-        return np.array([True])
+    def _buffer(self, bucket: buckets_lib.Bucket) -> np.ndarray:
+        spare = self._spare[bucket.index]
+        if spare:
+            return spare.pop()
+        return buckets_lib.aligned_empty(bucket.num_elements, bucket.payload_dtype)
 
-    def refreshed_values(self, index: int, *values: np.ndarray) -> list[np.ndarray]:
-        """Bucket ``index``'s members' ``values`` plus the late updates ``refresh`` took, as new
-        aligned arrays of the values' dtypes; the taken buffers go back to the pool."""
-        due, self._due[index] = self._due[index], []
-        results, owns = zip(*due)
-        refreshed = []
-        for value, part in zip(values, buckets_lib.member_slices(self.plan[index].sizes)):
-            out = buckets_lib.aligned_empty(value.size, value.dtype)
-            host_kernels.sum_of_differences([r[part] for r in results], [o[part] for o in owns],
-                                            self._own_scale, out, value.reshape(-1))
-            refreshed.append(out)
-        self._release(*results, *owns)
-        return refreshed
+    # -- engine side ---------------------------------------------------------------------
 
-    def drain(self) -> None:
-        """Eagerly: waits for every pending instance and adds its late updates."""
+    def run(self, comm, call: BucketCall) -> BucketResult:
+        """Engine thread: sums the payload d over ranks and replaces it by the correction
+        (Σ_q d_q)/P − d, chunk by chunk. Nothing waits for it before the next batch's last
+        step, so it waits without spinning a core."""
+        update = call.payload
+        comm = collectives.YieldingComm(comm)
+        chunk = max(1, CHUNK_BYTES // update.itemsize)
+        scratch = self._scratch.get(update.dtype)
+        if scratch is None or scratch.size < min(chunk, update.size):
+            scratch = self._scratch[update.dtype] = np.empty(min(chunk, update.size),
+                                                             update.dtype)
+        for start in range(0, update.size, chunk):
+            mine = update[start:start + chunk]
+            theirs = scratch[:mine.size]
+            if self._pairwise:  # (d_peer − d)/2
+                peer = 1 - comm.Get_rank()
+                comm.Sendrecv(mine, dest=peer, recvbuf=theirs, source=peer, tag=PAIRWISE_TAG)
+                np.subtract(theirs, mine, out=mine)
+                mine *= mine.dtype.type(0.5)
+            else:  # (Σ_q d_q)/P − d
+                self._codec.sum_into(comm, mine, theirs)
+                theirs /= self.num_replicas
+                np.subtract(theirs, mine, out=mine)
+        return BucketResult(update, *self._codec.wire_bytes(update.size, comm.Get_size(),
+                                                            update.dtype))
+
+    # -- the end of a fit ----------------------------------------------------------------
+
+    def drain(self, engine: CommEngine, sequencer: graph_ops.Sequencer) -> None:
+        """Every rank, eagerly: exchanges the steps since the last exchange (every rank has
+        taken as many), applies every correction, and makes the next step take a new base."""
+        if int(self.position.numpy()):
+            self._exchange(engine, sequencer)
         for bucket in self.plan:
             index = bucket.index
-            self._due[index] += [self._take(index, self.group.wait_result(index),
-                                            self._steps[index])
-                                 for _ in range(len(self._own[index]))]
-            if self._due[index]:
-                assign_refreshed(self, bucket, self.variables)
+            if self._sent[index]:
+                self._take(index, now=self._steps[index])
+                self.apply(bucket)
+            for name in ("_due", "_base"):  # kept for the next fit
+                buffers = getattr(self, name)
+                if buffers[index] is not None:
+                    self._spare[index].append(buffers[index])
+                    buffers[index] = None
+        self.rebase.assign(True)
 
-
-def assign_refreshed(exchange: _DeltaExchange, bucket, variables) -> None:
-    """Assigns ``exchange.refreshed_values`` to bucket's members (a graph op, or eagerly)."""
-    members = [variables[i] for i in bucket.members]
-    values = graph_ops.numpy_outputs(
-        functools.partial(exchange.refreshed_values, bucket.index),
-        [tf.identity(v) for v in members], [tf.as_dtype(v.dtype) for v in members],
-        f"tp_refreshed_{exchange.group.name}_{bucket.index}")
-    for variable, value in zip(members, values):
-        variable.assign(tf.reshape(value, variable.shape))
 
 
 class SSPStats:
@@ -281,32 +365,26 @@ class SSPImpl(AlgorithmImpl):
             self.bucket_bytes = self.first_bucket_bytes = sys.maxsize
         self.staleness = staleness
         self._exchanges: dict[tuple, _DeltaExchange] = {}
-        self._before: list[tf.Tensor] | None = None
         self.ssp_stats = SSPStats()
 
     def reduce_gradients(self, grads, variables, local_batch):
-        """The optimizer applies this rank's local-mean gradient; no communication here.
-
-        Also reads the variables' values before the update (the delta's origin). A rank with
-        no examples in the step (a last batch shorter than P) applies a zero gradient.
-        """
-        self._before = [tf.identity(v) for v in variables]
-        return self.local_mean(grads, local_batch)
+        """The optimizer applies this rank's local-mean gradient; no communication here. On the
+        first step after a drain the update waits for the base to be taken. A rank with no
+        examples in the step (a last batch shorter than P) applies a zero gradient."""
+        taken = self._exchange_for(variables).before_update()
+        with tf.control_dependencies([taken]):
+            return [tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape)
+                    if isinstance(g, tf.IndexedSlices) else tf.identity(g)
+                    for g in self.local_mean(grads, local_batch)]
 
     def after_update(self, variables: Sequence[tf.Variable]) -> None:
-        """Posts the all-reduce of this rank's Δ/P; when step t−s's late updates are due,
-        applies them (see _DeltaExchange)."""
-        before, self._before = self._before, None
-        if before is None or len(before) != len(variables):
-            raise RuntimeError("tf_poseidon SSP: the optimizer update was not preceded by "
-                               "this step's gradient reduction (a custom optimizer path?).")
-        exchange = self._exchange_for(variables)
-        inputs = [[tf.identity(v), b] for v, b in zip(variables, before)]
-        graph_ops.run_buckets(self.engine, self.sequencer, exchange.group, inputs)
+        """Counts the step; at a batch's last step, exchanges the batch's updates and applies
+        the previous batch's (see _DeltaExchange)."""
+        self._exchange_for(variables).after_update(self.engine, self.sequencer)
 
     def _exchange_for(self, variables) -> _DeltaExchange:
         # One exchange per set of variables, kept across retraces (a short last batch retraces
-        # the step): its instances, in-flight contributions and staleness accounting continue.
+        # the step): its batches in flight, base and staleness accounting continue.
         key = tuple((v.name, tuple(v.shape.as_list())) for v in variables)
         if key not in self._exchanges:
             self._exchanges[key] = _DeltaExchange(
@@ -315,9 +393,10 @@ class SSPImpl(AlgorithmImpl):
         return self._exchanges[key]
 
     def drain(self) -> None:
-        """Every rank, eagerly: applies every pending delta; afterwards replicas agree."""
+        """Every rank, eagerly: exchanges and applies every pending update; afterwards the
+        replicas agree."""
         for exchange in self._exchanges.values():
-            exchange.drain()
+            exchange.drain(self.engine, self.sequencer)
 
     def stats(self) -> dict:
-        return self.ssp_stats.report()
+        return {**self.ssp_stats.report(), "batch_steps": batch_steps(self.staleness)}
