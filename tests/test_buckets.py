@@ -54,6 +54,14 @@ def test_member_slices_cut_the_payload_in_member_order():
     assert member_slices(()) == []
 
 
+def test_aligned_member_slices_start_each_member_on_a_tensor_boundary():
+    # 64 bytes: 16 float32 or 8 float64 elements; a member's pieces of an aligned payload
+    # then become tensors without a copy (SSP's corrections).
+    assert member_slices((1000, 3, 16, 5), np.float32) == [
+        slice(0, 1000), slice(1008, 1011), slice(1024, 1040), slice(1040, 1045)]
+    assert member_slices((3, 2), np.float64) == [slice(0, 3), slice(8, 10)]
+
+
 def items(specs):
     """Items of (kind, dtype, elements) specs, named by position."""
     return [Item(str(i), (n,), np.dtype(dtype), n, kind) for i, (kind, dtype, n) in

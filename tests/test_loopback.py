@@ -118,8 +118,8 @@ def test_yielding_comm_waits_on_the_loopbacks_requests():
         yielding.Allreduce(np.full(3, comm.rank + 1, np.float32), summed)
         peer = 1 - comm.rank
         swapped = np.empty(3, np.float32)
-        yielding.Sendrecv(summed * (comm.rank + 1), dest=peer, recvbuf=swapped, source=peer,
-                          tag=5)
+        mine = summed * (comm.rank + 1)
+        yielding.wait(comm.Irecv(swapped, source=peer, tag=5), comm.Isend(mine, dest=peer, tag=5))
         return summed, swapped
 
     (sum0, swap0), (sum1, swap1) = LoopbackWorld(2).run(rank_main)

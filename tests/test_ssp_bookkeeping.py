@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_poseidon.algorithms import ssp
 from tf_poseidon.algorithms.ssp import SSPStats, _DeltaExchange
 from tf_poseidon.comm import codecs
 from tf_poseidon.comm.buckets import plan_buckets
@@ -74,6 +75,9 @@ def run_rank(comm, staleness, codec_name, updates, initial):
 def test_every_update_is_applied_once_within_the_staleness_bound(monkeypatch, num_ranks,
                                                                  staleness, codec_name):
     monkeypatch.setenv("TF_POSEIDON_TIMEOUT", str(TIMEOUT_S))
+    # Chunks of one or two elements: the engine's pipeline runs more chunks than its depth,
+    # and a short last one.
+    monkeypatch.setattr(ssp, "CHUNK_BYTES", 8)
     updates = deltas(num_ranks)
     initial = [np.full(shape, 1.0, dtype) for shape, dtype in SHAPES]
     averaged = [[np.mean([updates[p][t][i].astype(np.float64) for p in range(num_ranks)], axis=0)

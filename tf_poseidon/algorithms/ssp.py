@@ -60,9 +60,11 @@ from tf_poseidon.comm.protocol import BucketCall, BucketProtocol, BucketResult
 PAIRWISE_TAG = 7200  # the two-rank exchange's messages on the engine's communicator
 DELTAS = "ssp_deltas"
 """The collective group of a batch's parameter deltas."""
-CHUNK_BYTES = 16 << 20
-"""The engine sums a batch in chunks of this size into a scratch buffer of its own, so that the
-correction replaces the update in place (the only memory beyond the two buffers per bucket)."""
+CHUNK_BYTES = 8 << 20
+PIPELINE_DEPTH = 4
+"""The engine sums a batch in chunks of CHUNK_BYTES, up to PIPELINE_DEPTH in flight (so that the
+link never idles between chunks), into scratch chunks of its own, so that the correction
+replaces the update in place: the only memory beyond the two buffers per bucket."""
 
 
 @register
@@ -129,6 +131,9 @@ class _DeltaExchange(BucketProtocol):
             self.position = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="ssp_batch_position")  # steps of the batch taken
             self.rebase = tf.Variable(True, trainable=False, name="ssp_rebase")
+        # Each member on a 64-byte boundary of the buffers, so that its correction becomes a
+        # tensor without a copy (TensorFlow copies an unaligned numpy_function output).
+        self._slices = [buckets_lib.member_slices(b.sizes, b.payload_dtype) for b in self.plan]
         count = len(self.plan)
         self._base: list[np.ndarray | None] = [None] * count   # the current batch's base
         self._spare: list[list[np.ndarray]] = [[] for _ in range(count)]  # free buffers
@@ -136,7 +141,7 @@ class _DeltaExchange(BucketProtocol):
         self._sent = [collections.deque() for _ in range(count)]  # (first step, steps) in flight
         self._steps = [0] * count    # steps handed to the engine
         self._applied = [0] * count  # steps applied
-        self._scratch: dict[np.dtype, np.ndarray] = {}  # the engine thread's, per dtype
+        self._scratch: dict[np.dtype, list[np.ndarray]] = {}  # the engine thread's
         self._lock = threading.Lock()
 
     # -- graph side ----------------------------------------------------------------------
@@ -173,7 +178,7 @@ class _DeltaExchange(BucketProtocol):
         """TF thread: the variables' ``values`` (in variable order) become each bucket's base."""
         for bucket in self.plan:
             base = self._buffer(bucket)
-            for i, part in zip(bucket.members, buckets_lib.member_slices(bucket.sizes)):
+            for i, part in zip(bucket.members, self._slices[bucket.index]):
                 base[part] = values[i].reshape(-1)
             self._base[bucket.index] = base
         return np.int64(0)
@@ -187,7 +192,7 @@ class _DeltaExchange(BucketProtocol):
         *values, steps = arrays
         index = bucket.index
         update, self._base[index] = self._base[index], None
-        for value, part in zip(values, buckets_lib.member_slices(bucket.sizes)):
+        for value, part in zip(values, self._slices[bucket.index]):
             np.subtract(value.reshape(-1).astype(update.dtype, copy=False), update[part],
                         out=update[part])
         with self._lock:
@@ -248,7 +253,7 @@ class _DeltaExchange(BucketProtocol):
     def correction(self, index: int) -> list[np.ndarray]:
         """Bucket ``index``'s correction taken, one piece per member (views of its buffer)."""
         due = self._due[index]
-        return [due[part] for part in buckets_lib.member_slices(self.plan[index].sizes)]
+        return [due[part] for part in self._slices[index]]
 
     def next_base(self, bucket: buckets_lib.Bucket, *values: np.ndarray) -> np.int64:
         """TF thread, at a batch's last step after any correction is applied: the members' new
@@ -258,7 +263,7 @@ class _DeltaExchange(BucketProtocol):
         base, self._due[index] = self._due[index], None
         if base is None:
             base = self._buffer(bucket)
-        for value, part in zip(values, buckets_lib.member_slices(bucket.sizes)):
+        for value, part in zip(values, self._slices[bucket.index]):
             base[part] = value.reshape(-1)
         self._base[index] = base
         return np.int64(0)
@@ -280,35 +285,66 @@ class _DeltaExchange(BucketProtocol):
         spare = self._spare[bucket.index]
         if spare:
             return spare.pop()
-        return buckets_lib.aligned_empty(bucket.num_elements, bucket.payload_dtype)
+        buffer = buckets_lib.aligned_empty(self._slices[bucket.index][-1].stop,
+                                           bucket.payload_dtype)
+        buffer[:] = 0  # the gaps between members stay zero: they travel, and sum to zero
+        return buffer
 
     # -- engine side ---------------------------------------------------------------------
 
     def run(self, comm, call: BucketCall) -> BucketResult:
         """Engine thread: sums the payload d over ranks and replaces it by the correction
-        (Σ_q d_q)/P − d, chunk by chunk. Nothing waits for it before the next batch's last
-        step, so it waits without spinning a core."""
+        (Σ_q d_q)/P − d, chunk by chunk, up to PIPELINE_DEPTH chunks in flight (one at a time
+        for a codec's own sum). Nothing waits for it before the next batch's last step, so it
+        waits without spinning a core."""
         update = call.payload
         comm = collectives.YieldingComm(comm)
         chunk = max(1, CHUNK_BYTES // update.itemsize)
-        scratch = self._scratch.get(update.dtype)
-        if scratch is None or scratch.size < min(chunk, update.size):
-            scratch = self._scratch[update.dtype] = np.empty(min(chunk, update.size),
-                                                             update.dtype)
-        for start in range(0, update.size, chunk):
+        posted = self._pairwise or isinstance(self._codec, Exact)
+        slots = self._slots(PIPELINE_DEPTH if posted else 1, min(chunk, update.size),
+                            update.dtype)
+        in_flight: collections.deque = collections.deque()
+        for number, start in enumerate(range(0, update.size, chunk)):
             mine = update[start:start + chunk]
-            theirs = scratch[:mine.size]
-            if self._pairwise:  # (d_peer − d)/2
-                peer = 1 - comm.Get_rank()
-                comm.Sendrecv(mine, dest=peer, recvbuf=theirs, source=peer, tag=PAIRWISE_TAG)
-                np.subtract(theirs, mine, out=mine)
-                mine *= mine.dtype.type(0.5)
-            else:  # (Σ_q d_q)/P − d
-                self._codec.sum_into(comm, mine, theirs)
-                theirs /= self.num_replicas
-                np.subtract(theirs, mine, out=mine)
+            theirs = slots[number % len(slots)][:mine.size]
+            in_flight.append((mine, theirs, self._post(comm, mine, theirs) if posted else ()))
+            if len(in_flight) == len(slots):
+                self._correct(comm, *in_flight.popleft())
+        while in_flight:
+            self._correct(comm, *in_flight.popleft())
         return BucketResult(update, *self._codec.wire_bytes(update.size, comm.Get_size(),
                                                             update.dtype))
+
+    def _post(self, comm, mine: np.ndarray, theirs: np.ndarray) -> tuple:
+        """Starts a chunk's exchange (two ranks) or all-reduce into ``theirs``."""
+        raw = comm.comm
+        if self._pairwise:
+            peer = 1 - raw.Get_rank()
+            return (raw.Irecv(theirs, source=peer, tag=PAIRWISE_TAG),
+                    raw.Isend(mine, dest=peer, tag=PAIRWISE_TAG))
+        return (raw.Iallreduce(mine, theirs, op=collectives.mpi().SUM),)
+
+    def _correct(self, comm, mine: np.ndarray, theirs: np.ndarray, requests: tuple) -> None:
+        """Completes a chunk's sum (``requests``, or the codec's sum now) and writes its
+        correction over ``mine``."""
+        if requests:
+            comm.wait(*requests)
+        else:
+            self._codec.sum_into(comm, mine, theirs)
+        if self._pairwise:  # theirs is the peer's d: (d_peer − d)/2
+            np.subtract(theirs, mine, out=mine)
+            mine *= mine.dtype.type(0.5)
+        else:  # (Σ_q d_q)/P − d
+            theirs /= self.num_replicas
+            np.subtract(theirs, mine, out=mine)
+
+    def _slots(self, count: int, size: int, dtype: np.dtype) -> list[np.ndarray]:
+        """``count`` scratch chunks of ``size`` elements, kept between calls (engine thread)."""
+        slots = self._scratch.get(np.dtype(dtype), [])
+        if len(slots) < count or slots[0].size < size:
+            slots = self._scratch[np.dtype(dtype)] = [np.empty(size, dtype)
+                                                      for _ in range(count)]
+        return slots[:count]
 
     # -- the end of a fit ----------------------------------------------------------------
 

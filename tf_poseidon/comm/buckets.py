@@ -92,10 +92,17 @@ def aligned_empty(size: int, dtype: np.dtype) -> np.ndarray:
     return raw[start:start + size * dtype.itemsize].view(dtype)
 
 
-def member_slices(sizes: Sequence[int]) -> list[slice]:
-    """Where each member of ``sizes`` elements lies in the flat payload, in member order."""
-    bounds = np.cumsum([0, *sizes])
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+def member_slices(sizes: Sequence[int], aligned_for: np.dtype | None = None) -> list[slice]:
+    """Where each member of ``sizes`` elements lies in the flat payload, in member order: one
+    after the other, or with ``aligned_for`` (the payload's dtype) each on a TENSOR_ALIGNMENT
+    boundary of an aligned payload, so that a piece handed to TensorFlow is not copied (the
+    payload then has ``slices[-1].stop`` elements, the gaps unused)."""
+    step = 1 if aligned_for is None else max(1, TENSOR_ALIGNMENT // np.dtype(aligned_for).itemsize)
+    slices, start = [], 0
+    for size in sizes:
+        slices.append(slice(start, start + int(size)))
+        start += -(-int(size) // step) * step
+    return slices
 
 
 def payload_dtype(dtype: tf.DType) -> np.dtype:

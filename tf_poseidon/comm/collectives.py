@@ -52,8 +52,8 @@ class YieldingComm:
     """A communicator whose collectives wait by polling with short sleeps, not MPI's spinning.
 
     Wraps an mpi4py communicator; ``Allreduce``, ``Alltoall`` and ``Allgather`` (the calls the
-    codecs' sums make) and ``Sendrecv`` post the non-blocking form and poll it, sleeping 20 µs
-    at first and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %;
+    codecs' sums make) post the non-blocking form and poll it (``wait``, also for requests
+    posted on ``comm`` directly), sleeping 20 µs at first and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %;
     where TensorFlow's compute needs every core, a collective that nobody waits for yet (SSP's
     delta exchange) then takes a core from the step for as long as the slowest peer needs to
     join. Costs up to 0.5 ms of latency per call: not for collectives a step waits on.
@@ -64,28 +64,25 @@ class YieldingComm:
     LONGEST_SLEEP_S = 5e-4
 
     def __init__(self, comm):
-        self._comm = comm
+        self.comm = comm  # the wrapped communicator, for posting non-blocking calls
 
     def Get_size(self) -> int:
-        return self._comm.Get_size()
+        return self.comm.Get_size()
 
     def Get_rank(self) -> int:
-        return self._comm.Get_rank()
+        return self.comm.Get_rank()
 
     def Allreduce(self, sendbuf, recvbuf, op=None) -> None:
-        self._wait(self._comm.Iallreduce(sendbuf, recvbuf, op=op or mpi().SUM))
+        self.wait(self.comm.Iallreduce(sendbuf, recvbuf, op=op or mpi().SUM))
 
     def Alltoall(self, sendbuf, recvbuf) -> None:
-        self._wait(self._comm.Ialltoall(sendbuf, recvbuf))
+        self.wait(self.comm.Ialltoall(sendbuf, recvbuf))
 
     def Allgather(self, sendbuf, recvbuf) -> None:
-        self._wait(self._comm.Iallgather(sendbuf, recvbuf))
+        self.wait(self.comm.Iallgather(sendbuf, recvbuf))
 
-    def Sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int = 0) -> None:
-        self._wait(self._comm.Irecv(recvbuf, source=source, tag=tag),
-                   self._comm.Isend(sendbuf, dest=dest, tag=tag))
-
-    def _wait(self, *requests) -> None:
+    def wait(self, *requests) -> None:
+        """Polls ``requests`` (of the wrapped communicator) until all are complete."""
         # The requests' own class tests them: mpi4py's MPI.Request, or, in tests, the in-process
         # communicator's (tf_poseidon/testing/loopback.py).
         test_all = type(requests[0]).Testall
