@@ -142,6 +142,7 @@ class _DeltaExchange(BucketProtocol):
         self._steps = [0] * count    # steps handed to the engine
         self._applied = [0] * count  # steps applied
         self._scratch: dict[np.dtype, list[np.ndarray]] = {}  # the engine thread's
+        self._drain_functions: dict = {}
         self._lock = threading.Lock()
 
     # -- graph side ----------------------------------------------------------------------
@@ -352,18 +353,29 @@ class _DeltaExchange(BucketProtocol):
         """Every rank, eagerly: exchanges the steps since the last exchange (every rank has
         taken as many), applies every correction, and makes the next step take a new base."""
         if int(self.position.numpy()):
-            self._exchange(engine, sequencer)
+            self._traced("exchange", functools.partial(self._exchange, engine, sequencer))
         for bucket in self.plan:
             index = bucket.index
             if self._sent[index]:
                 self._take(index, now=self._steps[index])
-                self.apply(bucket)
+                self._traced(("apply", index), functools.partial(self.apply, bucket))
             for name in ("_due", "_base"):  # kept for the next fit
                 buffers = getattr(self, name)
                 if buffers[index] is not None:
                     self._spare[index].append(buffers[index])
                     buffers[index] = None
         self.rebase.assign(True)
+
+    def _traced(self, key, build) -> None:
+        """Runs the ops ``build()`` makes as a tf.function, made once per ``key``: an eager
+        ``assign_add`` of a correction copies the variable's buffer (docs/ssp.md), a traced one
+        adds in place."""
+        function = self._drain_functions.get(key)
+        if function is None:
+            def ops() -> None:
+                build()
+            function = self._drain_functions[key] = tf.function(ops, autograph=False)
+        function()
 
 
 
