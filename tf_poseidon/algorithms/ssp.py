@@ -178,10 +178,7 @@ class _DeltaExchange(BucketProtocol):
     def take_base(self, *values: np.ndarray) -> np.int64:
         """TF thread: the variables' ``values`` (in variable order) become each bucket's base."""
         for bucket in self.plan:
-            base = self._buffer(bucket)
-            for i, part in zip(bucket.members, self._slices[bucket.index]):
-                base[part] = values[i].reshape(-1)
-            self._base[bucket.index] = base
+            self._set_base(bucket, self._buffer(bucket), [values[i] for i in bucket.members])
         return np.int64(0)
 
     def stage(self, bucket: buckets_lib.Bucket, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -260,14 +257,16 @@ class _DeltaExchange(BucketProtocol):
         """TF thread, at a batch's last step after any correction is applied: the members' new
         ``values`` become the next batch's base, in the applied correction's buffer (else a
         spare one)."""
-        index = bucket.index
-        base, self._due[index] = self._due[index], None
-        if base is None:
-            base = self._buffer(bucket)
-        for value, part in zip(values, self._slices[bucket.index]):
-            base[part] = value.reshape(-1)
-        self._base[index] = base
+        base, self._due[bucket.index] = self._due[bucket.index], None
+        self._set_base(bucket, self._buffer(bucket) if base is None else base, values)
         return np.int64(0)
+
+    def _set_base(self, bucket: buckets_lib.Bucket, buffer: np.ndarray,
+                  values: Sequence[np.ndarray]) -> None:
+        """The members' ``values`` into ``buffer``, which becomes the bucket's base."""
+        for value, part in zip(values, self._slices[bucket.index]):
+            buffer[part] = value.reshape(-1)
+        self._base[bucket.index] = buffer
 
     def _take(self, index: int, now: int) -> None:
         """Waits for the oldest batch in flight and keeps its correction for applying at step
@@ -359,11 +358,9 @@ class _DeltaExchange(BucketProtocol):
             if self._sent[index]:
                 self._take(index, now=self._steps[index])
                 self._traced(("apply", index), functools.partial(self.apply, bucket))
-            for name in ("_due", "_base"):  # kept for the next fit
-                buffers = getattr(self, name)
-                if buffers[index] is not None:
-                    self._spare[index].append(buffers[index])
-                    buffers[index] = None
+            self._spare[index] += [b for b in (self._due[index], self._base[index])
+                                   if b is not None]  # kept for the next fit
+            self._due[index] = self._base[index] = None
         self.rebase.assign(True)
 
     def _traced(self, key, build) -> None:

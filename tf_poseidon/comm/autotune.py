@@ -84,7 +84,7 @@ class _Trials:
         self.codec_names = [codec.name]
         # A lossy codec may give way to the exact sum on buckets summed on the host in float.
         self.may_be_exact = [kind == ALLREDUCE and dtype in ("float32", "float64")
-                        for kind, _, dtype in layout]
+                             for kind, _, dtype in layout]
         # A codec whose device form packs in its own 16 bits (bf16) cannot give way on the
         # device form's buckets, so, to give the two forms the same sums, on none.
         if (codec.tunable and codec.name != EXACT and any(self.may_be_exact)

@@ -53,11 +53,11 @@ class YieldingComm:
 
     Wraps an mpi4py communicator; ``Allreduce``, ``Alltoall`` and ``Allgather`` (the calls the
     codecs' sums make) post the non-blocking form and poll it (``wait``, also for requests
-    posted on ``comm`` directly), sleeping 20 µs at first and up to 0.5 ms between polls. Open MPI's blocking waits spin a core at 100 %;
-    where TensorFlow's compute needs every core, a collective that nobody waits for yet (SSP's
-    delta exchange) then takes a core from the step for as long as the slowest peer needs to
-    join. Costs up to 0.5 ms of latency per call: not for collectives a step waits on.
-    Blocking, like the calls it replaces; engine thread only.
+    posted on ``comm`` directly), sleeping 20 µs at first and up to 0.5 ms between polls. Open
+    MPI's blocking waits spin a core at 100 %; where TensorFlow's compute needs every core, a
+    collective that nobody waits for yet (SSP's delta exchange) then takes a core from the step
+    for as long as the slowest peer needs to join. Costs up to 0.5 ms of latency per call: not
+    for collectives a step waits on. Blocking, like the calls it replaces; engine thread only.
     """
 
     FIRST_SLEEP_S = 2e-5
