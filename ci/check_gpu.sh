@@ -184,7 +184,7 @@ fi
 
 # -- 1. the CUDA kernels' harness (no TensorFlow) ----------------------------------------------
 if [ $DEV = GPU ]; then
-    run_step harness 150 env CUDA_ARCH="${TF_POSEIDON_NVCC_ARCH:-native}" \
+    run_step harness 240 env CUDA_ARCH="${TF_POSEIDON_NVCC_ARCH:-native}" \
         bash ci/check_cuda_on_gpu.sh "$OUT_DIR/harness"
     while IFS= read -r line; do TIMINGS+=("$line"); done \
         < <(grep '^| harness |' "$OUT_DIR/harness.log" 2>/dev/null)

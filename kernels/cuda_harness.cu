@@ -1,11 +1,14 @@
 // Standalone check of the tf_poseidon CUDA kernels, no TensorFlow needed: runs every launcher of
 // poseidon_cuda.h on fuzzed data (sizes 0, 1, odd and not multiples of the unroll width; NaN of
 // both signs and with payloads, ±Inf, ±0, float32 and bfloat16 denormals, values beyond the
-// float16 range) and compares the bits with the CPU kernels' loops (cpu_loops.h) run on the host
-// with TensorFlow's flush-to-zero/denormals-are-zero; then, where cuBLAS is available, checks the
-// SFB GEMM mapping of sfb_gemm.h against a float64 reference; then times pack/unpack against the
-// device memcpy (goal: >= 50% of its bandwidth) and the SFB GEMM. Prints PASS/FAIL lines, then
-// markdown table rows starting with "| harness |"; exit status 0 iff every check passed.
+// float16 range) and on one tensor of more than 2^31 elements, and compares the bits with the CPU
+// kernels' loops (cpu_loops.h) run on the host with TensorFlow's flush-to-zero/denormals-are-zero;
+// then, where cuBLAS is available, checks the SFB GEMM mapping of sfb_gemm.h against a float64
+// reference; then times pack/unpack against the device memcpy (goal: >= 50% of its bandwidth) and
+// against ops.CompositeOps' kernel sequence (goal: >= 1.5x faster), and the SFB GEMM against
+// CompositeOps' cast, multiply and GEMM (goal: <= 1.1x its time). Prints PASS/FAIL lines, then
+// markdown table rows starting with "| harness |"; exit status 0 iff every check passed. Needs
+// about 22 GB of GPU memory and 35 GB of host memory (the > 2^31-element case).
 // ci/check_cuda_on_gpu.sh builds and runs it:
 //
 //   nvcc -std=c++17 -O3 -ftz=true -fmad=false -arch=native -Ikernels kernels/cuda_harness.cu \
@@ -21,6 +24,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "convert.h"
@@ -192,6 +196,73 @@ void CheckSumChunks(Dtype wire_type, Dtype out_type, int64_t p, int64_t n, std::
                                       std::to_string(n) + ": bits equal the CPU loops'");
 }
 
+// fn(begin, end) over [0, n) split among the host's cores.
+template <typename Fn>
+void ParallelFor(int64_t n, Fn fn) {
+  const int64_t workers = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> threads;
+  for (int64_t w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      _mm_setcsr(_mm_getcsr() | 0x8040);  // each thread in TensorFlow's FTZ/DAZ mode
+      fn(n * w / workers, n * (w + 1) / workers);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+}
+
+// One tensor of more than 2^31 elements (8.6 GB of float32, beyond any 32-bit element or byte
+// index): pack f32 -> f16, unpack f16 -> f32, and sum_chunks over two halves of the packed
+// buffer, each compared with the CPU loops bit for bit over every element.
+void CheckLarge() {
+  const int64_t n = (int64_t{1} << 31) + 5;
+  std::vector<uint32_t> host(n);
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(begin);
+    for (int64_t i = begin; i < end; ++i) {
+      state ^= state << 13;
+      state ^= state >> 7;
+      state ^= state << 17;
+      // Random sign and mantissa, exponents 2^-24 .. 2^23: float16 subnormals, normals and
+      // values beyond its range.
+      const uint32_t bits = static_cast<uint32_t>(state);
+      host[i] = (bits & 0x807FFFFFu) | ((103u + (bits >> 23) % 48u) << 23);
+    }
+  });
+  DeviceBytes f32(n * 4);
+  CudaOrDie(cudaMemcpy(f32.ptr, host.data(), f32.size, cudaMemcpyHostToDevice), "copy");
+  DeviceBytes f16(n * 2);
+  const ConvertJob pack{f32.ptr, f16.ptr, n, Dtype::kFloat32, Dtype::kFloat16};
+  LaunchOrDie(poseidon::cuda::LaunchConvert(&pack, 1, 0.5f, nullptr), "large pack");
+  std::vector<uint16_t> packed(n);
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    poseidon::RunJobPart({host.data(), packed.data(), n, Dtype::kFloat32, Dtype::kFloat16}, begin,
+                         end - begin, 0.5f);
+  });
+  const std::vector<uint8_t> packed_device = f16.ToHost();
+  Check(std::memcmp(packed_device.data(), packed.data(), n * 2) == 0,
+        "pack f32 -> f16 of 2^31 + 5 elements (8.6 GB): bits equal the CPU loops'");
+  const ConvertJob unpack{f16.ptr, f32.ptr, n, Dtype::kFloat16, Dtype::kFloat32};
+  LaunchOrDie(poseidon::cuda::LaunchConvert(&unpack, 1, 2.0f, nullptr), "large unpack");
+  ParallelFor(n, [&](int64_t begin, int64_t end) {
+    poseidon::RunJobPart({packed.data(), host.data(), n, Dtype::kFloat16, Dtype::kFloat32}, begin,
+                         end - begin, 2.0f);
+  });
+  Check(std::memcmp(f32.ToHost().data(), host.data(), n * 4) == 0,
+        "unpack f16 -> f32 of 2^31 + 5 elements: bits equal the CPU loops'");
+  const int64_t half = n / 2;
+  LaunchOrDie(poseidon::cuda::LaunchSumChunks(f16.ptr, Dtype::kFloat16, 2, half, 0.5f, f32.ptr,
+                                              Dtype::kFloat32, nullptr),
+              "large sum_chunks");
+  ParallelFor(half, [&](int64_t begin, int64_t end) {
+    poseidon::SumChunksPart(Dtype::kFloat16, Dtype::kFloat32, packed.data(), 2, half, begin, end,
+                            0.5f, host.data());
+  });
+  std::vector<float> summed(half);
+  CudaOrDie(cudaMemcpy(summed.data(), f32.ptr, half * 4, cudaMemcpyDeviceToHost), "copy");
+  Check(std::memcmp(summed.data(), host.data(), half * 4) == 0,
+        "sum_chunks P=2 of 2 x (2^30 + 2) f16 elements: bits equal the CPU loops'");
+}
+
 // Milliseconds per call of `launch` (median of 20, after 3 warm-ups).
 template <typename Launch>
 float TimeMs(Launch launch) {
@@ -271,6 +342,36 @@ void TimeConvert() {
     Check(share >= 0.5, std::string(what) + " bandwidth " + Format("%.0f%%", 100 * share) +
                             " of device memcpy (goal >= 50%)");
   }
+  // ops.CompositeOps as TensorFlow runs it on a GPU, kernel for kernel, the elementwise kernels
+  // played by LaunchConvert (they move the same bytes): pack is, per tensor, a multiply by the
+  // scale (f32 -> f32; the cast of a float32 tensor to float32 is no kernel) and its copy into
+  // the concatenation, then one cast of the whole buffer to f16; unpack is one cast to f32 and
+  // one multiply (tf.split along axis 0 shares the buffer: no copy). 36 bytes per element moved
+  // against the compiled pair's 12.
+  DeviceBytes scaled(n * 4);
+  const float composite_ms = TimeMs([&] {
+    for (int t = 0; t < tensors; ++t) {
+      const ConvertJob& job = pack[t];
+      const int64_t begin = static_cast<const float*>(job.src) - static_cast<float*>(f32.ptr);
+      const ConvertJob multiply{job.src, static_cast<float*>(scaled.ptr) + begin, job.size,
+                                Dtype::kFloat32, Dtype::kFloat32};
+      LaunchOrDie(poseidon::cuda::LaunchConvert(&multiply, 1, 0.5f, nullptr), "multiply");
+      CudaOrDie(cudaMemcpyAsync(static_cast<float*>(copy.ptr) + begin, multiply.dst, job.size * 4,
+                                cudaMemcpyDeviceToDevice),
+                "concat");
+    }
+    const ConvertJob cast{copy.ptr, f16.ptr, n, Dtype::kFloat32, Dtype::kFloat16};
+    LaunchOrDie(poseidon::cuda::LaunchConvert(&cast, 1, 1.0f, nullptr), "cast");
+    const ConvertJob widen{f16.ptr, scaled.ptr, n, Dtype::kFloat16, Dtype::kFloat32};
+    LaunchOrDie(poseidon::cuda::LaunchConvert(&widen, 1, 1.0f, nullptr), "cast");
+    const ConvertJob unscale{scaled.ptr, copy.ptr, n, Dtype::kFloat32, Dtype::kFloat32};
+    LaunchOrDie(poseidon::cuda::LaunchConvert(&unscale, 1, 2.0f, nullptr), "multiply");
+  });
+  const double speedup = composite_ms / (pack_ms + unpack_ms);
+  Row("CompositeOps' kernels, pack + unpack of the same", composite_ms,
+      Format("compiled pair %.2fx faster", speedup), ">= 1.5x");
+  Check(speedup >= 1.5, "pack + unpack " + Format("%.2fx", speedup) +
+                            " faster than CompositeOps' kernel sequence (goal >= 1.5x)");
   const int64_t p = 8;
   const int64_t chunk = n / p;
   const float sum_ms = TimeMs([&] {
@@ -368,11 +469,41 @@ void TimeSfb(cublasHandle_t handle) {
       DeviceBytes v(FuzzElements(dtype, r * n, &rng));
       DeviceBytes out(m * n * 4);
       const float ms = TimeMs([&] {
-        SfbGemm(handle, u.ptr, v.ptr, dtype, r, m, n, 1.0f, static_cast<float*>(out.ptr), tf32);
+        SfbGemm(handle, u.ptr, v.ptr, dtype, r, m, n, 0.5f, static_cast<float*>(out.ptr), tf32);
       });
-      Row(std::string("sfb GEMM (cuBLAS) ") + Name(dtype) + (tf32 ? " tf32" : "") + ", R=" +
-              std::to_string(r) + " M=" + std::to_string(m) + " N=" + std::to_string(n),
-          ms, Format("%.1f TFLOP/s", 2.0 * r * m * n / ms / 1e9), "");
+      // ops.CompositeOps.sfb_reconstruct's kernels: u and v cast to float32 (no kernel when
+      // they are), u multiplied by the scale, then tf.matmul(u, v, transpose_a=True): the same
+      // cuBLAS GEMM in float32, TF32 as TensorFlow's switch says (on by default).
+      DeviceBytes u_cast(r * m * 4);
+      DeviceBytes u32(r * m * 4);
+      DeviceBytes v32(r * n * 4);
+      const bool composite_tf32 = dtype == Dtype::kFloat32 ? tf32 : true;
+      const float composite_ms = TimeMs([&] {
+        const void* u_in = u.ptr;
+        const void* v_in = v.ptr;
+        if (dtype != Dtype::kFloat32) {
+          const ConvertJob casts[] = {{u.ptr, u_cast.ptr, r * m, dtype, Dtype::kFloat32},
+                                      {v.ptr, v32.ptr, r * n, dtype, Dtype::kFloat32}};
+          for (const ConvertJob& cast : casts) {
+            LaunchOrDie(poseidon::cuda::LaunchConvert(&cast, 1, 1.0f, nullptr), "cast");
+          }
+          u_in = u_cast.ptr;
+          v_in = v32.ptr;
+        }
+        const ConvertJob multiply{u_in, u32.ptr, r * m, Dtype::kFloat32, Dtype::kFloat32};
+        LaunchOrDie(poseidon::cuda::LaunchConvert(&multiply, 1, 0.5f, nullptr), "multiply");
+        SfbGemm(handle, u32.ptr, v_in, Dtype::kFloat32, r, m, n, 1.0f,
+                static_cast<float*>(out.ptr), composite_tf32);
+      });
+      const std::string shape_text = ", R=" + std::to_string(r) + " M=" + std::to_string(m) +
+                                     " N=" + std::to_string(n);
+      const double ratio = ms / composite_ms;
+      Row(std::string("sfb GEMM (cuBLAS) ") + Name(dtype) + (tf32 ? " tf32" : "") + shape_text,
+          ms, Format("%.1f TFLOP/s", 2.0 * r * m * n / ms / 1e9) +
+                  Format(", %.2fx CompositeOps' time", ratio), "<= 1.1x");
+      Check(ratio <= 1.1, std::string("sfb GEMM ") + Name(dtype) + (tf32 ? " tf32" : "") +
+                              shape_text + Format(": %.2fx the time of CompositeOps' kernels",
+                                                  ratio) + " (goal <= 1.1x)");
     }
   }
 }
@@ -416,6 +547,7 @@ int main() {
   TimeSfb(handle);
   cublasDestroy(handle);
 #endif
+  CheckLarge();
   std::printf("%s: %d failure(s)\n", failures == 0 ? "OK" : "FAILED", failures);
   return failures == 0 ? 0 : 1;
 }
