@@ -136,6 +136,14 @@ POSEIDON_HD void VisitDtype(Dtype dtype, Fn&& fn) {
   }
 }
 
+// x, or the quiet NaN 0x7FC00000 when x is a NaN. Arithmetic that makes a NaN gives each device's
+// own bits (x86 keeps the first NaN operand's payload and sign, and makes 0xFFC00000 of Inf - Inf;
+// a GPU returns 0x7FFFFFFF), so a sum's NaN is replaced by this one on every device.
+POSEIDON_HD float CanonicalNaN(float x) {
+  const uint32_t bits = FloatToBits(x);
+  return BitsToFloat(Select((bits & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC00000u, bits));
+}
+
 // One element: Out(In(x) * scale), computed in float32. A NaN x stays that NaN, quieted (the
 // host's multiplication does so; a GPU's returns one canonical, positive NaN), for any scale.
 template <typename In, typename Out>

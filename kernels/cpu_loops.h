@@ -33,7 +33,8 @@ inline void RunJobPart(const ConvertJob& job, int64_t offset, int64_t size, floa
 // Sub-block of SumRange: an accumulator that stays in L1.
 constexpr int64_t kSumBlock = 1024;
 
-// out[j] = Out(scale * sum_p chunks[p * n + j]) for j in [begin, end), accumulated in float32.
+// out[j] = Out(scale * sum_p chunks[p * n + j]) for j in [begin, end), accumulated in float32;
+// a NaN result is CanonicalNaN's.
 template <typename Wire, typename Out>
 void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunks, int64_t n,
               int64_t begin, int64_t end, float scale, typename Out::Storage* __restrict out) {
@@ -45,7 +46,7 @@ void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunk
       const typename Wire::Storage* chunk = chunks + p * n + start;
       for (int64_t j = 0; j < size; ++j) acc[j] += Wire::ToFloat(chunk[j]);
     }
-    for (int64_t j = 0; j < size; ++j) out[start + j] = Out::FromFloat(acc[j] * scale);
+    for (int64_t j = 0; j < size; ++j) out[start + j] = Out::FromFloat(CanonicalNaN(acc[j] * scale));
   }
 }
 

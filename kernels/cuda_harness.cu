@@ -181,6 +181,35 @@ void CheckConvert(Dtype tensor_type, Dtype wire_type, const std::vector<int64_t>
                 " tensors, " + std::to_string(total) + " elements: bits equal the CPU loops'");
 }
 
+// Prints how many elements of two same-sized buffers of `dtype` differ, how many of those are
+// NaN in both, and the first difference's bits.
+void ReportDifferences(Dtype dtype, const std::vector<uint8_t>& got,
+                       const std::vector<uint8_t>& expected) {
+  VisitDtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using Storage = typename T::Storage;
+    const auto* a = reinterpret_cast<const Storage*>(got.data());
+    const auto* b = reinterpret_cast<const Storage*>(expected.data());
+    int64_t differ = 0;
+    int64_t both_nan = 0;
+    int64_t first = -1;
+    for (size_t i = 0; i < got.size() / sizeof(Storage); ++i) {
+      if (std::memcmp(a + i, b + i, sizeof(Storage)) == 0) continue;
+      differ += 1;
+      both_nan += std::isnan(T::ToFloat(a[i])) && std::isnan(T::ToFloat(b[i]));
+      if (first < 0) first = static_cast<int64_t>(i);
+    }
+    uint32_t got_bits = 0;
+    uint32_t expected_bits = 0;
+    std::memcpy(&got_bits, a + first, sizeof(Storage));
+    std::memcpy(&expected_bits, b + first, sizeof(Storage));
+    std::printf("  %lld element(s) differ, %lld of them NaN on both sides; first at %lld: GPU "
+                "0x%X, CPU 0x%X\n",
+                static_cast<long long>(differ), static_cast<long long>(both_nan),
+                static_cast<long long>(first), got_bits, expected_bits);
+  });
+}
+
 void CheckSumChunks(Dtype wire_type, Dtype out_type, int64_t p, int64_t n, std::mt19937* rng) {
   const float scale = 0.25f;
   const std::vector<uint8_t> chunks = FuzzElements(wire_type, p * n, rng);
@@ -191,9 +220,11 @@ void CheckSumChunks(Dtype wire_type, Dtype out_type, int64_t p, int64_t n, std::
               "LaunchSumChunks");
   std::vector<uint8_t> expected(out.size);
   poseidon::SumChunksPart(wire_type, out_type, chunks.data(), p, n, 0, n, scale, expected.data());
-  Check(out.ToHost() == expected, std::string("sum_chunks ") + Name(wire_type) + " -> " +
-                                      Name(out_type) + ", P=" + std::to_string(p) + ", n=" +
-                                      std::to_string(n) + ": bits equal the CPU loops'");
+  const std::vector<uint8_t> got = out.ToHost();
+  const bool ok = got == expected;
+  Check(ok, std::string("sum_chunks ") + Name(wire_type) + " -> " + Name(out_type) + ", P=" +
+                std::to_string(p) + ", n=" + std::to_string(n) + ": bits equal the CPU loops'");
+  if (!ok) ReportDifferences(out_type, got, expected);
 }
 
 // fn(begin, end) over [0, n) split among the host's cores.
@@ -257,10 +288,13 @@ void CheckLarge() {
     poseidon::SumChunksPart(Dtype::kFloat16, Dtype::kFloat32, packed.data(), 2, half, begin, end,
                             0.5f, host.data());
   });
-  std::vector<float> summed(half);
+  std::vector<uint8_t> summed(half * 4);
   CudaOrDie(cudaMemcpy(summed.data(), f32.ptr, half * 4, cudaMemcpyDeviceToHost), "copy");
-  Check(std::memcmp(summed.data(), host.data(), half * 4) == 0,
-        "sum_chunks P=2 of 2 x (2^30 + 2) f16 elements: bits equal the CPU loops'");
+  const std::vector<uint8_t> expected(reinterpret_cast<const uint8_t*>(host.data()),
+                                      reinterpret_cast<const uint8_t*>(host.data()) + half * 4);
+  const bool ok = summed == expected;
+  Check(ok, "sum_chunks P=2 of 2 x (2^30 + 2) f16 elements: bits equal the CPU loops'");
+  if (!ok) ReportDifferences(Dtype::kFloat32, summed, expected);
 }
 
 // Milliseconds per call of `launch` (median of 20, after 3 warm-ups).

@@ -84,7 +84,7 @@ __global__ void SumChunksKernel(const typename Wire::Storage* chunks, int64_t nu
        j += stride) {
     float acc = 0.0f;
     for (int64_t p = 0; p < num_chunks; ++p) acc += Wire::ToFloat(chunks[p * n + j]);
-    out[j] = Out::FromFloat(acc * scale);
+    out[j] = Out::FromFloat(CanonicalNaN(acc * scale));
   }
 }
 

@@ -21,7 +21,8 @@ namespace cuda {
 const char* LaunchConvert(const ConvertJob* jobs, int64_t count, float scale, CUstream_st* stream);
 
 // out[j] = out_type(scale * sum_{p<num_chunks} chunks[p * n + j]), accumulated in float32 in
-// order p = 0, 1, ...; chunks [num_chunks, n] of wire_type, out [n] of out_type.
+// order p = 0, 1, ...; chunks [num_chunks, n] of wire_type, out [n] of out_type. A NaN result is
+// CanonicalNaN's (convert.h), as on the CPU.
 const char* LaunchSumChunks(const void* chunks, Dtype wire_type, int64_t num_chunks, int64_t n,
                             float scale, void* out, Dtype out_type, CUstream_st* stream);
 

@@ -4,7 +4,8 @@ multiples of the kernels' vector and block widths; NaN of both signs and with pa
 are compared with numpy references bit for bit (pack, unpack, sum_chunks) and within float32
 rounding of float64 (sfb_reconstruct). On a machine with a GPU (ci/check_gpu.sh) the same tests
 run the GPU kernels too and compare them with the CPU kernels: bit for bit for pack/unpack
-(NaN payloads included), within float32 rounding for reconstruction.
+(NaN payloads included) and sum_chunks (a NaN sum is one canonical NaN), within float32
+rounding for reconstruction.
 
 Numbers follow TensorFlow's float32 environment: its CPU kernels run with flush-to-zero and
 denormals-are-zero, and the CUDA kernels are compiled with -ftz=true, so float32 (and bfloat16)
@@ -28,6 +29,7 @@ SIZES = [0, 1, 2, 7, 31, 33, 1023, 4095, 4097, 16385, 100003]
 SHAPES = [(n,) for n in SIZES] + [(), (3, 0, 2), (33, 31)]
 SCALES = [1.0, 0.5, 1.0 / 3, 2.0 ** -10]
 FLOAT32_TINY = np.float32(2.0 ** -126)
+CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
 
 # float32 bit patterns: NaNs (both signs, payloads, signalling), ±Inf, ±0, float32 denormals,
 # values around and beyond the float16 range, float16 subnormals, bfloat16 denormals.
@@ -141,9 +143,26 @@ def test_sum_chunks_fuzz(rng, device, wire, out):
         with np.errstate(all="ignore"):
             for chunk in flush(chunks.astype(np.float32)):  # in rank order
                 acc = flush(acc + chunk)
-            expected = flush(acc * np.float32(0.25)).astype(np_dtype(out))
-        # A NaN made by the sum (Inf - Inf) has no defined sign.
-        assert_same_values(total.numpy(), expected, nan_sign=False)
+            expected = flush(acc * np.float32(0.25))
+            expected[np.isnan(expected)] = CANONICAL_NAN
+            expected = expected.astype(np_dtype(out))
+        assert_same_values(total.numpy(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out", FLOATS, ids=lambda d: d.name)
+def test_sum_chunks_nan_is_canonical(device, out):
+    """Whatever NaN the additions make (x86 keeps an operand's payload and sign and makes a
+    negative NaN of Inf - Inf; a GPU makes 0x7FFFFFFF), a NaN sum is the quiet NaN 0x7FC00000
+    rounded to ``out``: the same bits on every device."""
+    # Columns: Inf - Inf, 1 + signalling NaN, negative NaN with a payload + 2, NaN + NaN.
+    chunks = np.array([[0x7F800000, 0x3F800000, 0xFFC12345, 0xFFC00000],
+                       [0xFF800000, 0x7FA00000, 0x40000000, 0x7FC00001]],
+                      np.uint32).view(np.float32)
+    total = on(device, lambda: ops.sum_chunks(chunks, 0.5, out)).numpy()
+    canonical = np.full(4, CANONICAL_NAN, np.float32).astype(np_dtype(out))
+    bits = np.uint32 if out == tf.float32 else np.uint16
+    np.testing.assert_array_equal(total.view(bits), canonical.view(bits))
 
 
 SFB_SHAPES = [(0, 4, 5), (1, 1, 1), (3, 0, 2), (7, 33, 65), (64, 129, 33), (130, 7, 300)]
@@ -223,7 +242,8 @@ def test_gpu_pack_unpack_equal_cpu_bit_for_bit(rng, dtype, wire):
 def test_gpu_sum_chunks_equal_cpu(rng, wire, out):
     chunks = fuzz(rng, (4, 100003), wire)
     gpu, cpu = (on(d, lambda: ops.sum_chunks(chunks, 1 / 3, out)).numpy() for d in DEVICES)
-    assert_same_values(gpu, cpu, nan_sign=False)
+    bits = np.uint32 if out == tf.float32 else np.uint16
+    np.testing.assert_array_equal(gpu.view(bits), cpu.view(bits))
 
 
 @pytest.mark.gpu
