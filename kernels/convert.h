@@ -136,12 +136,15 @@ POSEIDON_HD void VisitDtype(Dtype dtype, Fn&& fn) {
   }
 }
 
+// Whether float32 `bits` are a NaN (any sign, payload, quiet or signalling).
+POSEIDON_HD bool IsNanBits(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }
+
 // x, or the quiet NaN 0x7FC00000 when x is a NaN. Arithmetic that makes a NaN gives each device's
 // own bits (x86 keeps the first NaN operand's payload and sign, and makes 0xFFC00000 of Inf - Inf;
 // a GPU returns 0x7FFFFFFF), so a sum's NaN is replaced by this one on every device.
 POSEIDON_HD float CanonicalNaN(float x) {
   const uint32_t bits = FloatToBits(x);
-  return BitsToFloat(Select((bits & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC00000u, bits));
+  return BitsToFloat(Select(IsNanBits(bits), 0x7FC00000u, bits));
 }
 
 // One element: Out(In(x) * scale), computed in float32. A NaN x stays that NaN, quieted (the
@@ -150,9 +153,8 @@ template <typename In, typename Out>
 POSEIDON_HD typename Out::Storage ScaleConvert(typename In::Storage x, float scale) {
   const float value = In::ToFloat(x);
   const uint32_t bits = FloatToBits(value);
-  const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
   const uint32_t product = FloatToBits(value * scale);
-  return Out::FromFloat(BitsToFloat(Select(is_nan, bits | 0x00400000u, product)));
+  return Out::FromFloat(BitsToFloat(Select(IsNanBits(bits), bits | 0x00400000u, product)));
 }
 
 // dst[i] = ScaleConvert(src[i], scale) for i in [0, size): the unit of work of pack and unpack.

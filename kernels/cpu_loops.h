@@ -46,7 +46,9 @@ void SumRange(const typename Wire::Storage* __restrict chunks, int64_t num_chunk
       const typename Wire::Storage* chunk = chunks + p * n + start;
       for (int64_t j = 0; j < size; ++j) acc[j] += Wire::ToFloat(chunk[j]);
     }
-    for (int64_t j = 0; j < size; ++j) out[start + j] = Out::FromFloat(CanonicalNaN(acc[j] * scale));
+    for (int64_t j = 0; j < size; ++j) {
+      out[start + j] = Out::FromFloat(CanonicalNaN(acc[j] * scale));
+    }
   }
 }
 

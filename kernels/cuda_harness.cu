@@ -181,19 +181,23 @@ void CheckConvert(Dtype tensor_type, Dtype wire_type, const std::vector<int64_t>
                 " tensors, " + std::to_string(total) + " elements: bits equal the CPU loops'");
 }
 
-// Prints how many elements of two same-sized buffers of `dtype` differ, how many of those are
-// NaN in both, and the first difference's bits.
-void ReportDifferences(Dtype dtype, const std::vector<uint8_t>& got,
-                       const std::vector<uint8_t>& expected) {
+// Checks that `bytes` bytes of elements of `dtype` at `got` (from the GPU) equal `expected` (the
+// CPU loops'); if not, also prints how many elements differ, how many of those are NaN on both
+// sides, and the first difference's bits.
+void CheckBits(const std::string& what, Dtype dtype, const void* got, const void* expected,
+               size_t bytes) {
+  const bool ok = std::memcmp(got, expected, bytes) == 0;
+  Check(ok, what + ": bits equal the CPU loops'");
+  if (ok) return;
   VisitDtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     using Storage = typename T::Storage;
-    const auto* a = reinterpret_cast<const Storage*>(got.data());
-    const auto* b = reinterpret_cast<const Storage*>(expected.data());
+    const auto* a = static_cast<const Storage*>(got);
+    const auto* b = static_cast<const Storage*>(expected);
     int64_t differ = 0;
     int64_t both_nan = 0;
     int64_t first = -1;
-    for (size_t i = 0; i < got.size() / sizeof(Storage); ++i) {
+    for (size_t i = 0; i < bytes / sizeof(Storage); ++i) {
       if (std::memcmp(a + i, b + i, sizeof(Storage)) == 0) continue;
       differ += 1;
       both_nan += std::isnan(T::ToFloat(a[i])) && std::isnan(T::ToFloat(b[i]));
@@ -220,11 +224,9 @@ void CheckSumChunks(Dtype wire_type, Dtype out_type, int64_t p, int64_t n, std::
               "LaunchSumChunks");
   std::vector<uint8_t> expected(out.size);
   poseidon::SumChunksPart(wire_type, out_type, chunks.data(), p, n, 0, n, scale, expected.data());
-  const std::vector<uint8_t> got = out.ToHost();
-  const bool ok = got == expected;
-  Check(ok, std::string("sum_chunks ") + Name(wire_type) + " -> " + Name(out_type) + ", P=" +
-                std::to_string(p) + ", n=" + std::to_string(n) + ": bits equal the CPU loops'");
-  if (!ok) ReportDifferences(out_type, got, expected);
+  CheckBits(std::string("sum_chunks ") + Name(wire_type) + " -> " + Name(out_type) + ", P=" +
+                std::to_string(p) + ", n=" + std::to_string(n),
+            out_type, out.ToHost().data(), expected.data(), out.size);
 }
 
 // fn(begin, end) over [0, n) split among the host's cores.
@@ -269,17 +271,16 @@ void CheckLarge() {
     poseidon::RunJobPart({host.data(), packed.data(), n, Dtype::kFloat32, Dtype::kFloat16}, begin,
                          end - begin, 0.5f);
   });
-  const std::vector<uint8_t> packed_device = f16.ToHost();
-  Check(std::memcmp(packed_device.data(), packed.data(), n * 2) == 0,
-        "pack f32 -> f16 of 2^31 + 5 elements (8.6 GB): bits equal the CPU loops'");
+  CheckBits("pack f32 -> f16 of 2^31 + 5 elements (8.6 GB)", Dtype::kFloat16,
+            f16.ToHost().data(), packed.data(), n * 2);
   const ConvertJob unpack{f16.ptr, f32.ptr, n, Dtype::kFloat16, Dtype::kFloat32};
   LaunchOrDie(poseidon::cuda::LaunchConvert(&unpack, 1, 2.0f, nullptr), "large unpack");
   ParallelFor(n, [&](int64_t begin, int64_t end) {
     poseidon::RunJobPart({packed.data(), host.data(), n, Dtype::kFloat16, Dtype::kFloat32}, begin,
                          end - begin, 2.0f);
   });
-  Check(std::memcmp(f32.ToHost().data(), host.data(), n * 4) == 0,
-        "unpack f16 -> f32 of 2^31 + 5 elements: bits equal the CPU loops'");
+  CheckBits("unpack f16 -> f32 of 2^31 + 5 elements", Dtype::kFloat32, f32.ToHost().data(),
+            host.data(), n * 4);
   const int64_t half = n / 2;
   LaunchOrDie(poseidon::cuda::LaunchSumChunks(f16.ptr, Dtype::kFloat16, 2, half, 0.5f, f32.ptr,
                                               Dtype::kFloat32, nullptr),
@@ -288,13 +289,10 @@ void CheckLarge() {
     poseidon::SumChunksPart(Dtype::kFloat16, Dtype::kFloat32, packed.data(), 2, half, begin, end,
                             0.5f, host.data());
   });
-  std::vector<uint8_t> summed(half * 4);
+  std::vector<float> summed(half);
   CudaOrDie(cudaMemcpy(summed.data(), f32.ptr, half * 4, cudaMemcpyDeviceToHost), "copy");
-  const std::vector<uint8_t> expected(reinterpret_cast<const uint8_t*>(host.data()),
-                                      reinterpret_cast<const uint8_t*>(host.data()) + half * 4);
-  const bool ok = summed == expected;
-  Check(ok, "sum_chunks P=2 of 2 x (2^30 + 2) f16 elements: bits equal the CPU loops'");
-  if (!ok) ReportDifferences(Dtype::kFloat32, summed, expected);
+  CheckBits("sum_chunks P=2 of 2 x (2^30 + 2) f16 elements", Dtype::kFloat32, summed.data(),
+            host.data(), half * 4);
 }
 
 // Milliseconds per call of `launch` (median of 20, after 3 warm-ups).
