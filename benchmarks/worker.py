@@ -6,8 +6,8 @@
   batch rows; a NotImplementedError from the constructor is recorded as "not available".
 - ``mwms``: TensorFlow's MultiWorkerMirroredStrategy (RING over gRPC) in a custom loop (Keras 3
   fit fails under it in TF 2.21, keras#20585); TF_CONFIG from ``--peers`` and the MPI rank.
-- ``allreduce``: all-reduces of ``--megabytes`` and of 1 KB of float32 per codec of
-  ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
+- ``allreduce``: all-reduces of ``--megabytes`` (in ``--pieces``) and of 1 KB of float32 per
+  codec of ``--codecs`` (``mpi``: mpi4py's, in a process that never imports tf_poseidon).
 - ``agreement``: ``--repeats`` collective agreement checks (tf_poseidon/comm/agreement.py).
 
 The training kinds fit ``--model`` (benchmarks/models.py) on synthetic data with SGD, timed by
@@ -224,8 +224,9 @@ def run_mwms(args, clock: Clock) -> None:
 
 
 def run_allreduce(args, clock: Clock) -> None:
-    """Per codec: seconds of each timed all-reduce of ``--megabytes`` (``big_s``) and of 1 KB
-    (``small_s``), each after a barrier, following warm-ups (connections, buffers)."""
+    """Per codec: seconds of each timed all-reduce of ``--megabytes`` (``big_s``: as
+    ``--pieces`` all-reduces back to back, as a step's buckets go) and of 1 KB (``small_s``),
+    each after a barrier, following warm-ups (connections, buffers)."""
     import numpy as np
     if args.codecs == ["mpi"]:
         from mpi4py import MPI
@@ -237,13 +238,14 @@ def run_allreduce(args, clock: Clock) -> None:
         call = engine.get_engine().call
         sum_into = {c: codecs.get(c).sum_into for c in args.codecs}
 
-    def timed(codec: str, nbytes: int, repeats: int) -> list[float]:
+    def timed(codec: str, nbytes: int, repeats: int, pieces: int = 1) -> list[float]:
         x, times = np.ones(nbytes // 4, np.float32), []
         out = np.empty_like(x)
+        parts = list(zip(np.array_split(x, pieces), np.array_split(out, pieces)))
         for _ in range(repeats):
             call(lambda comm: comm.Barrier())
             start = time.perf_counter()
-            call(lambda comm: sum_into[codec](comm, x, out))
+            call(lambda comm: [sum_into[codec](comm, a, b) for a, b in parts])
             times.append(time.perf_counter() - start)
         if repeats and not np.allclose(out, clock.size, rtol=1e-2):
             raise AssertionError(f"{codec}: wrong all-reduce result on rank {clock.rank}")
@@ -251,8 +253,8 @@ def run_allreduce(args, clock: Clock) -> None:
 
     results, big = {}, int(args.megabytes * 2**20)
     for codec in args.codecs:
-        timed(codec, big, 1)
-        big_s = timed(codec, big, args.repeats)
+        timed(codec, big, 1, args.pieces)
+        big_s = timed(codec, big, args.repeats, args.pieces)
         timed(codec, 1024, min(20, args.small_repeats))
         results[codec] = {"big_s": big_s, "small_s": timed(codec, 1024, args.small_repeats)}
     clock.write(allreduce=results)
@@ -290,7 +292,7 @@ def main(argv=None) -> int:
         p.add_argument(f"--{flag}", action="store_true")
     for flag, default in (("width", 1024), ("layers", 3), ("batch", 32), ("warmup", 1),
                           ("steps", 4), ("profile", 0), ("every", 1), ("repeats", 5),
-                          ("small-repeats", 500),
+                          ("small-repeats", 500), ("pieces", 1),
                           ("delay", 0.1), ("megabytes", 64.0), ("nic", ""),
                           ("peers", ""), ("peer-hosts", "")):  # mwms: every worker's address
         p.add_argument(f"--{flag}", type=type(default), default=default)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tf_poseidon import launcher
+from tf_poseidon import launcher, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,9 @@ def test_local_run_command():
     assert p.argv[-3:] == ["train.py", "--epochs", "3"] and p.argv[-4] == "python"
     assert p.argv[p.argv.index("-np") + 1] == "2"
     assert p.argv[p.argv.index("--bind-to") + 1] == "none"
-    assert mca(p.argv, "mpi_yield_when_idle") == "1"
+    for name, value in world.OPEN_MPI_DEFAULTS.items():
+        assert mca(p.argv, name) == value
+    assert "put" not in mca(p.argv, "btl_tcp_flags").split(",")
     assert "-H" not in p.argv and mca(p.argv, "btl") is None  # local: Open MPI's defaults
     assert p.remote_hosts == []
 
@@ -269,10 +271,40 @@ def test_mpi_without_thread_multiple_is_refused():
 def test_users_own_mca_settings_win():
     """Open MPI refuses a parameter given twice; the user's --mpi-args or OMPI_MCA_* win."""
     p = plan("-np", "2", "-H", "a:1,b:1", "--mpi-args", "--mca pml ucx --bind-to core",
-             "python", "x.py", environ={"PATH": "/usr/bin", "OMPI_MCA_btl": "self,tcp"})
+             "python", "x.py", environ={"PATH": "/usr/bin", "OMPI_MCA_btl": "self,tcp",
+                                        "OMPI_MCA_btl_tcp_flags": "send,put"})
     assert p.argv.count("--bind-to") == 1 and p.argv[p.argv.index("--bind-to") + 1] == "core"
     assert [a for a in p.argv if a in ("pml", "btl")] == ["pml"]  # only the user's pml
     assert p.argv[p.argv.index("pml") + 1] == "ucx"
+    assert mca(p.argv, "btl_tcp_flags") is None  # the user's variable reaches the ranks
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("environ, expected", [
+    ({}, world.OPEN_MPI_DEFAULTS["btl_tcp_flags"]),
+    ({"OMPI_MCA_btl_tcp_flags": "send,put,inplace"}, "send,put,inplace"),
+])
+def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, expected):
+    """mpi_comm() sets OPEN_MPI_DEFAULTS before MPI starts, for jobs not started by
+    tfposeidon-run; a value the user set (here through mpirun's environment) is kept."""
+    script = textwrap.dedent(f"""
+        import importlib.util, os, sys
+        spec = importlib.util.spec_from_file_location(
+            "world_only", {os.path.join(ROOT, "tf_poseidon", "world.py")!r})
+        world = importlib.util.module_from_spec(spec)
+        sys.modules["world_only"] = world
+        spec.loader.exec_module(world)
+        comm = world.mpi_comm()
+        print("rank", comm.Get_rank(), os.environ["OMPI_MCA_btl_tcp_flags"], flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")} | environ
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    done = subprocess.run([launcher.find_mpirun(), *root, "-np", "2", "--oversubscribe",
+                           "--bind-to", "none", sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
+        f"rank 0 {expected}", f"rank 1 {expected}"]
 
 
 def test_inside_slurm_allocation_no_ssh():

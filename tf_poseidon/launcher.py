@@ -14,7 +14,9 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
 - ``--bind-to none``: no core binding; TensorFlow sizes its own thread pools (see
   ``tf_poseidon.placement``). ``--oversubscribe`` when a local run asks for more ranks than
   the machine has cores.
-- ``--mca mpi_yield_when_idle 1``: ranks waiting in MPI give their core to TF's compute.
+- ``--mca <name> <value>`` for each of ``tf_poseidon.world.OPEN_MPI_DEFAULTS``: ranks waiting
+  in MPI give their core to TF's compute (``mpi_yield_when_idle 1``), and the TCP transport
+  sends large messages in both directions at once (``btl_tcp_flags`` without ``put``).
 - ``--allow-run-as-root`` (and ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]=1``) when run as root.
 - ``-x NAME`` for the variables of the caller's environment the ranks need on other hosts:
   :data:`FORWARDED_NAMES` and every variable starting with one of :data:`FORWARDED_PREFIXES`
@@ -75,7 +77,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from tf_poseidon.world import ABORT_MARK
+from tf_poseidon.world import ABORT_MARK, OPEN_MPI_DEFAULTS
 
 # What a rank on another host needs of the caller's environment: finding this Python
 # environment, and the variables TensorFlow, Keras and the OpenMP runtime read at start-up.
@@ -329,7 +331,8 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
         argv += ["--bind-to", "none"]
     if not hosts and np_ > _physical_cores():
         argv.append("--oversubscribe")
-    argv += mca("mpi_yield_when_idle", "1")
+    for name, value in OPEN_MPI_DEFAULTS.items():
+        argv += mca(name, value)
 
     remote = [h.name for h in hosts if not _is_local(h.name)]
     agent = _mpi_args_agent(mpi_args)

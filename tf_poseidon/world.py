@@ -183,13 +183,26 @@ def is_chief() -> bool:
 
 _comm = None
 
+OPEN_MPI_DEFAULTS: dict[str, str] = {
+    # A rank waiting in MPI gives its core to TensorFlow's compute threads.
+    "mpi_yield_when_idle": "1",
+    # The TCP transport without its emulated RDMA put. With it, two ranks exchanging large
+    # messages at once (every all-reduce) move data one direction at a time, at half the
+    # link's rate; without it, ob1 sends the same bytes as fragments in both directions at
+    # once (docs/architecture.md, "MPI settings").
+    "btl_tcp_flags": "send,inplace,need-ack,need-csum,hetero-rdma",
+}
+"""Open MPI parameters tf_poseidon sets unless the user set them (as ``OMPI_MCA_<name>``, or
+with ``--mca`` on ``mpirun``, which reaches the ranks as the same variables):
+:func:`mpi_comm` before MPI starts, ``tfposeidon-run`` on its ``mpirun`` command line."""
+
 
 def mpi_comm():
     """The job's MPI communicator (a duplicate of COMM_WORLD), initialising MPI on first use.
 
-    Called by the communication engine; only valid when size() > 1. Sets Open MPI's
-    ``mpi_yield_when_idle`` (unless the user set it) so that ranks waiting in MPI give their
-    core back to TensorFlow's compute threads, and installs :func:`abort_on_uncaught_exception`.
+    Called by the communication engine; only valid when size() > 1. Sets
+    :data:`OPEN_MPI_DEFAULTS` in the environment (each unless the user set it) before MPI
+    starts, and installs :func:`abort_on_uncaught_exception`.
     Raises WorldError if MPI's world disagrees with the launcher's variables or MPI provides
     less than ``MPI_THREAD_MULTIPLE`` (e.g. the program initialised MPI itself at a lower
     level).
@@ -200,7 +213,8 @@ def mpi_comm():
     w = world()
     if w.size == 1:
         raise WorldError("mpi_comm() called in a world of one process; nothing to communicate.")
-    os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    for name, value in OPEN_MPI_DEFAULTS.items():
+        os.environ.setdefault(f"OMPI_MCA_{name}", value)
     import mpi4py
     mpi4py.rc.thread_level = "multiple"
     mpi4py.rc.finalize = True

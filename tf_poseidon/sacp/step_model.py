@@ -25,9 +25,11 @@ The model, per step and rank:
 * **the stack's CPU**: overlapped communication costs the rank's cores ``bytes /
   (stack_bytes_s · cores_per_rank)`` of compute time.
 
-What it leaves out: TCP's slowdown on long flows through deep switch buffers (docs/cluster.md), stragglers and
-contention in the switch, the optimizer's update after the last bucket (inside compute), and
-the per-op cost of the graph's hand-over (comm/graph_ops.py).
+What it leaves out: the MPI library's own protocol costs (each message is taken to move at the
+link's effective rate, as Open MPI's TCP transport does without its put protocol: the MPI
+settings in docs/architecture.md), stragglers and contention in the switch, the optimizer's
+update after the last bucket (inside compute), and the per-op cost of the graph's hand-over
+(comm/graph_ops.py).
 """
 
 from __future__ import annotations
