@@ -208,13 +208,18 @@ def test_unreachable_host_prevents_launch(tmp_path, capsys):
     assert "Connection refused" in err
 
 
-RANK_SCRIPT = textwrap.dedent("""
-    import importlib.util, sys
-    # world.py loaded on its own: importing the tf_poseidon package would load TensorFlow.
-    spec = importlib.util.spec_from_file_location("world_only", {world!r})
+# The start of a rank's script: world.py loaded on its own, as ``world`` (importing the
+# tf_poseidon package would load TensorFlow).
+WORLD_ONLY = textwrap.dedent(f"""
+    import importlib.util, os, sys
+    spec = importlib.util.spec_from_file_location(
+        "world_only", {os.path.join(ROOT, "tf_poseidon", "world.py")!r})
     world = importlib.util.module_from_spec(spec)
     sys.modules["world_only"] = world
     spec.loader.exec_module(world)
+""")
+
+RANK_SCRIPT = textwrap.dedent("""
     w = world.detect_world()
     print(f"rank {{w.rank}} of {{w.size}} local {{w.local_rank}}/{{w.local_size}} {{w.launcher}}",
           flush=True)
@@ -223,8 +228,7 @@ RANK_SCRIPT = textwrap.dedent("""
 
 
 def rank_script(exit_code=0):
-    return RANK_SCRIPT.format(world=os.path.join(ROOT, "tf_poseidon", "world.py"),
-                              exit_code=exit_code)
+    return WORLD_ONLY + RANK_SCRIPT.format(exit_code=exit_code)
 
 
 @pytest.mark.multirank
@@ -248,16 +252,10 @@ def test_failing_rank_fails_the_launch(capfd):
 def test_mpi_without_thread_multiple_is_refused():
     # A program that initialised MPI itself at a lower thread level: tf_poseidon's engine
     # thread would share MPI with a main thread that may abort or finalize it.
-    script = textwrap.dedent(f"""
-        import importlib.util, sys
+    script = WORLD_ONLY + textwrap.dedent("""
         import mpi4py
         mpi4py.rc.thread_level = "serialized"
         from mpi4py import MPI
-        spec = importlib.util.spec_from_file_location(
-            "world_only", {os.path.join(ROOT, "tf_poseidon", "world.py")!r})
-        world = importlib.util.module_from_spec(spec)
-        sys.modules["world_only"] = world
-        spec.loader.exec_module(world)
         world.mpi_comm()
     """)
     done = subprocess.run([sys.executable, "-m", "tf_poseidon.launcher", "-np", "2",
@@ -287,13 +285,7 @@ def test_users_own_mca_settings_win():
 def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, expected):
     """mpi_comm() sets OPEN_MPI_DEFAULTS before MPI starts, for jobs not started by
     tfposeidon-run; a value the user set (here through mpirun's environment) is kept."""
-    script = textwrap.dedent(f"""
-        import importlib.util, os, sys
-        spec = importlib.util.spec_from_file_location(
-            "world_only", {os.path.join(ROOT, "tf_poseidon", "world.py")!r})
-        world = importlib.util.module_from_spec(spec)
-        sys.modules["world_only"] = world
-        spec.loader.exec_module(world)
+    script = WORLD_ONLY + textwrap.dedent("""
         comm = world.mpi_comm()
         print("rank", comm.Get_rank(), os.environ["OMPI_MCA_btl_tcp_flags"], flush=True)
     """)
