@@ -1,7 +1,8 @@
 """sacp/step_model.py: the layers of a Keras model, the bytes of each protocol by the cost
-model's formulas, and the schedule's limits (no communication: the compute; naive: compute
-plus every message; overlap never slower than naive)."""
+model's formulas, the schedule's limits (no communication: the compute; naive: compute
+plus every message; overlap never slower than naive) and ranks sharing cores."""
 
+import dataclasses
 import math
 
 import keras
@@ -57,3 +58,20 @@ def test_schedule_limits():
         assert step_model.estimate(layers, "allreduce", 4, 8, 0.5, LINK).step_s <= naive.step_s
     with pytest.raises(ValueError, match="protocol 'ring'"):
         step_model.estimate(layers, "ring", 2, 8, 0.5, LINK)
+
+
+def test_ranks_sharing_cores_run_the_one_core_rates_slower():
+    layers = step_model.layers_of(mlp())
+    whole = dataclasses.replace(LINK, cores_per_rank=1.0)
+    half = dataclasses.replace(LINK, cores_per_rank=0.5)
+    sfb_whole, sfb_half = (step_model.estimate(layers, "sfb", 4, 8, 0.5, m) for m in (whole, half))
+    # The 100x300 kernel goes by SFB either way; its reconstruction takes twice as long.
+    assert sfb_half.bytes_per_rank == sfb_whole.bytes_per_rank
+    assert sfb_whole.compute_s - 0.5 == pytest.approx(2 * 100 * 300 * 3 * 8 / LINK.flops_s)
+    assert sfb_half.compute_s - 0.5 == pytest.approx(2 * (sfb_whole.compute_s - 0.5))
+    fp16_whole, fp16_half = (step_model.estimate(layers, "fp16", 4, 8, 0.5, m)
+                             for m in (whole, half))
+    # Three 4-byte passes per element at half the conversion rate.
+    elements = 30000 + 300 + 3000 + 10
+    assert fp16_half.comm_s - fp16_whole.comm_s == \
+        pytest.approx(elements * 3 * 4 / LINK.convert_bytes_s)

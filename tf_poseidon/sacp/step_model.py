@@ -23,7 +23,10 @@ The model, per step and rank:
   (``naive``), compute + every message + the added compute.
 
 * **the stack's CPU**: overlapped communication costs the rank's cores ``bytes /
-  (stack_bytes_s · cores_per_rank)`` of compute time.
+  (stack_bytes_s · cores_per_rank)`` of compute time;
+* **shared cores**: the rates of the added compute and the codec's passes are one core's, so
+  where ranks share cores each runs at ``cores_per_rank`` of it (as the compute-only step,
+  measured with the ranks sharing, already does).
 
 What it leaves out: the MPI library's own protocol costs (each message is taken to move at the
 link's effective rate, as Open MPI's TCP transport does without its put protocol: the MPI
@@ -68,7 +71,7 @@ class Machine:
     ``lowrank_elements_s`` of PowerSGD's compute, ``stack_bytes_s``: the bytes a core sends
     (and receives as many) per second of its own time in the network stack and MPI, and
     ``cores_per_rank`` (below 1 where ranks share cores): communication's CPU time comes out
-    of the rank's compute."""
+    of the rank's compute, and the other rates, each one core's, run at this fraction."""
 
     bandwidth_bytes_s: float
     latency_s: float
@@ -134,7 +137,8 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
         raise ValueError(f"protocol {protocol!r}: one of {', '.join(PROTOCOLS)}")
     p, m = ranks, machine
     b = 2 if "fp16" in protocol else 4
-    convert = 3 * 4 / m.convert_bytes_s if "fp16" in protocol else 0.0  # s per element
+    share = m.cores_per_rank
+    convert = 3 * 4 / (m.convert_bytes_s * share) if "fp16" in protocol else 0.0  # s/element
     ring = 2 * (p - 1) * m.latency_s
 
     total_flops = sum(layer.flops for layer in layers) or 1.0
@@ -161,12 +165,13 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
             k = batch * layer.sfb_rows
             nbytes = (p - 1) * k * (rows + cols) * b
             wire_s, extra_s = nbytes / m.bandwidth_bytes_s + (p - 1) * m.latency_s, \
-                2 * rows * cols * (p - 1) * k / m.flops_s
+                2 * rows * cols * (p - 1) * k / (m.flops_s * share)
             choice = "sfb" if wire_s + extra_s < allreduce_s else choice  # as the plan weighs
         elif protocol == "lowrank" and layer.matrix and allreduce_bytes > 0:
             rows, cols = layer.matrix
             nbytes = 2 * (p - 1) / p * (rows + cols) * lowrank_rank * b
-            wire_s, extra_s = nbytes / m.bandwidth_bytes_s + 2 * ring, n / m.lowrank_elements_s
+            wire_s = nbytes / m.bandwidth_bytes_s + 2 * ring
+            extra_s = n / (m.lowrank_elements_s * share)
             compresses = nbytes < allreduce_bytes / 2  # PowerSGD's min_compression
             choice = "lowrank" if compresses and wire_s + extra_s < allreduce_s else choice
         if choice != "allreduce":
@@ -187,6 +192,6 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
     # Overlapped, the stack's CPU time slows the compute it runs beside; the added compute
     # follows the messages it needs, on the cores that compute.
     nbytes = sum(size for _, _, size in messages)
-    stack_s = nbytes / (m.stack_bytes_s * m.cores_per_rank)
+    stack_s = nbytes / (m.stack_bytes_s * share)
     step = (compute_s + comm if protocol == "naive" else max(compute_s + stack_s, end)) + added
     return StepEstimate(step, compute_s + added, comm, nbytes)
