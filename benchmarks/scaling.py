@@ -19,18 +19,21 @@ PUBLISHED = ("Poseidon (Zhang et al., ATC'17): 31.5x on 32 nodes for Inception-V
 
 
 def local_rates() -> dict:
-    """This machine's SFB reconstruction (flop/s), float32 -> fp16 conversion (bytes/s) and
-    PowerSGD rank-4 compute (gradient elements/s), one thread, best of several."""
+    """This machine's SFB reconstruction (flop/s), float32 -> fp16 conversion (bytes/s),
+    PowerSGD rank-4 compute (gradient elements/s) and memory copy (bytes/s), one thread, best
+    of several."""
     import numpy as np
     from tf_poseidon import host_kernels, ops
     from tf_poseidon.sacp import cost_model
     u, v = np.ones((64, 2048), np.float32), np.ones((64, 2048), np.float32)
     x, out = np.ones(16 << 20, np.float32), np.empty(16 << 20, np.float16)
+    copied = np.empty_like(x)
     best = lambda fn: timings({"": fn}, 5)[""][0] / 1e3  # noqa: E731  (seconds)
     m, n = cost_model.PROBE_LOWRANK
     return {"flops_s": 2 * 64 * 2048 * 2048 / best(lambda: ops.sfb_reconstruct(u, v).numpy()),
             "convert_bytes_s": x.nbytes / best(lambda: host_kernels.convert(x, out, 1.0)),
-            "lowrank_elements_s": m * n / cost_model._time_lowrank(4)}
+            "lowrank_elements_s": m * n / cost_model.time_lowrank(4),
+            "copy_bytes_s": x.nbytes / best(lambda: np.copyto(copied, x))}
 
 
 def measure(args, bench) -> dict:
@@ -46,7 +49,7 @@ def measure(args, bench) -> dict:
         return step_model.Machine(
             gbps * 1e9 / 8, args.latency_us * 1e-6, rates["flops_s"], rates["convert_bytes_s"],
             rates["lowrank_elements_s"], args.stack_gbps * 1e9 / 8 if shared else float("inf"),
-            min(1.0, cores / ranks) if shared else 1.0)
+            min(1.0, cores / ranks) if shared else 1.0, rates["copy_bytes_s"])
     rows, projections = [], []
     for name in args.models:
         layers = step_model.layers_of(models.build(models.MODELS[name]))
@@ -81,7 +84,8 @@ def table(results: dict) -> list[str]:
          f"{r['predicted_s'] / r['measured_s']:.2f}"] for r in rows])
     lines += ["", f"Within 15%: {within} of {len(rows)}. Rates timed here: SFB reconstruction "
               f"{results['rates']['flops_s'] / 1e9:.0f} GFlop/s, fp16 conversion "
-              f"{results['rates']['convert_bytes_s'] / 1e9:.1f} GB/s.", "",
+              f"{results['rates']['convert_bytes_s'] / 1e9:.1f} GB/s, copy "
+              f"{results['rates']['copy_bytes_s'] / 1e9:.1f} GB/s.", "",
               "Projection (hosts of their own, one compute thread each and cores to spare for "
               "the network stack; scaling efficiency = compute-only step / step, i.e. "
               "throughput over hosts × one host's):", ""]

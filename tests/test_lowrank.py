@@ -9,6 +9,7 @@ process's (tests/test_sync_exactness.py), so the P=2 job's sync accuracy is the 
 for both.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_plan_shows_every_protocols_bytes_and_time_and_picks_the_fastest(p2):
     result = report(p2, "plan")
     plan, table = result["plan"], result["table"]
     assert plan["lowrank"].startswith("PowerSGD(rank=4")
-    assert plan["rates"]["lowrank_elements_s"] > 0
+    assert plan["rates"]["lowrank_elements_s"] > 0 and plan["rates"]["copy_bytes_s"] > 0
     rows = {row["kernel"].split("/")[-2]: row for row in plan["rows"]}
     assert set(rows) == {"conv", "wide", "square", "logits"}
     for name, (m, n) in {"conv": (27, 32), "wide": (2048, 256), "square": (256, 256),
@@ -231,3 +232,34 @@ def test_cost_model_weighs_all_reduce_sfb_and_low_rank():
     assert refused.estimate("lowrank").refusal is not None
     table = plan_lib.Plan([row, refused], 4, "auto", "none", rates, lowrank="PowerSGD()").table()
     assert "low-rank" in table and "(no)" in table
+
+
+def test_the_low_rank_probe_is_the_largest_matrix_up_to_its_cap():
+    """The rate per element falls as the passes leave the caches: the probe times the model's
+    largest compressible matrix, and no larger than PROBE_LOWRANK."""
+    from tf_poseidon.sacp import cost_model
+    shape = cost_model.lowrank_probe_shape
+    assert shape([(1152, 128), (4608, 512), (256, 10)]) == (4608, 512)
+    assert shape([(25088, 4096), (4096, 4096)]) == cost_model.PROBE_LOWRANK
+    assert shape([]) == cost_model.PROBE_LOWRANK
+
+
+def test_the_hand_over_counts_where_the_whole_gradient_moves():
+    """All-reduce and low-rank copy the whole gradient into the engine and its sum back, SFB
+    only its factors: with the copy rate measured, a layer low-rank wins on compute alone goes
+    to SFB (the FC head's first layer at 4 ranks sharing 2 cores, at rates measured so)."""
+    from tf_poseidon.lowrank import PowerSGD
+    from tf_poseidon.sacp import cost_model, plan as plan_lib
+    m, n, k, p = 25088, 4096, 32, 4
+    rates = cost_model.Rates(0.93e9 / 8, 5e-5, 20.8e9, "measured", 110e6)
+    copying = dataclasses.replace(rates, copy_bytes_s=3.76e9)
+    free, paid = (cost_model.lowrank_cost(m, n, 4, k, p, 4, r) for r in (rates, copying))
+    whole = 2 * m * n * 4 / 3.76e9
+    assert paid.time_allreduce_s - free.time_allreduce_s == pytest.approx(whole)
+    assert paid.time_lowrank_s - free.time_lowrank_s == pytest.approx(whole)
+    free_sfb, paid_sfb = (cost_model.layer_cost(m, n, k, p, 4, r) for r in (rates, copying))
+    assert paid_sfb.time_sfb_s - free_sfb.time_sfb_s == pytest.approx(
+        (1 + p) * k * (m + n) * 4 / 3.76e9)
+    fc1 = plan_lib.Candidate("fc/fc1/kernel", m, n, k, None, lowrank=True)
+    assert plan_lib._row(fc1, k, "auto", p, 4, rates, PowerSGD()).choice == "lowrank"
+    assert plan_lib._row(fc1, k, "auto", p, 4, copying, PowerSGD()).choice == "sfb"

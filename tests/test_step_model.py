@@ -75,3 +75,30 @@ def test_ranks_sharing_cores_run_the_one_core_rates_slower():
     elements = 30000 + 300 + 3000 + 10
     assert fp16_half.comm_s - fp16_whole.comm_s == \
         pytest.approx(elements * 3 * 4 / LINK.convert_bytes_s)
+
+
+def test_lowrank_weighs_sfb_as_the_plan_does():
+    """With lowrank= the plan takes the fastest of all-reduce, SFB and low-rank per layer: a
+    slow low-rank compute leaves the Dense kernels to SFB, a fast one takes them."""
+    layers, p, k = step_model.layers_of(mlp()), 4, 8
+    ring = 2 * (p - 1) / p
+    sfb = step_model.estimate(layers, "sfb", p, k, 1.0, LINK).bytes_per_rank
+    slow = dataclasses.replace(LINK, lowrank_elements_s=1e3)
+    assert step_model.estimate(layers, "lowrank", p, k, 1.0, slow).bytes_per_rank == \
+        pytest.approx(sfb)
+    fast = dataclasses.replace(LINK, latency_s=0.0, lowrank_elements_s=math.inf)
+    # Both kernels low-rank at rank 4 (each compressed more than 2x), the biases all-reduced.
+    assert step_model.estimate(layers, "lowrank", p, k, 1.0, fast).bytes_per_rank == \
+        pytest.approx(ring * ((100 + 300) + (300 + 10)) * 4 * 4 + ring * (300 + 10) * 4)
+
+
+def test_the_hand_over_copies_each_value_in_and_out_on_the_ranks_cores():
+    layers = step_model.layers_of(mlp())
+    elements = 30000 + 300 + 3000 + 10
+    copying = dataclasses.replace(LINK, copy_bytes_s=1e9)
+    base = step_model.estimate(layers, "naive", 4, 8, 0.5, LINK).step_s
+    assert step_model.estimate(layers, "naive", 4, 8, 0.5, copying).step_s - base == \
+        pytest.approx(2 * elements * 4 / 1e9)
+    shared = dataclasses.replace(copying, cores_per_rank=0.5)
+    assert step_model.estimate(layers, "naive", 4, 8, 0.5, shared).step_s - base == \
+        pytest.approx(2 * 2 * elements * 4 / 1e9)

@@ -91,7 +91,6 @@ class LowRankProtocol(BucketProtocol):
         self._seed = seed
         self._states: dict[str, _MatrixState] = {}
         self._lock = threading.Lock()  # the states: run on the engine, restore on the caller
-        self._approx = np.empty(0, np.float32)  # scratch for P̂·Qᵀ, grown to the largest member
         self._compute = collections.deque(maxlen=256)  # (group id, instance, seconds)
         self._unclaimed: set[str] = set()  # restored members no bucket has named yet
 
@@ -196,12 +195,8 @@ class LowRankProtocol(BucketProtocol):
             if not finite:
                 x[...] = np.nan
                 continue
-            m, n = x.shape
-            q = q_piece.reshape(n, ranks[j])
-            approx = self._scratch(x.size).reshape(m, n)
-            np.matmul(p_hats[j], q.T, out=approx)
-            _update_residual(state, x, approx, weight, size)
-            x[...] = approx
+            q = q_piece.reshape(x.shape[1], ranks[j])
+            _approximate(state, x, p_hats[j], q, weight, size)
             state.q = q.copy()
             state.steps += 1
         compute += time.perf_counter() - started
@@ -212,11 +207,6 @@ class LowRankProtocol(BucketProtocol):
                 for j in range(len(matrices))]
         item_bytes = tuple(round(call.payload.nbytes * w / sum(wire)) for w in wire)
         return BucketResult(result, float(sent[0]), float(sent[1]), item_bytes)
-
-    def _scratch(self, size: int) -> np.ndarray:
-        if self._approx.size < size:
-            self._approx = np.empty(size, np.float32)
-        return self._approx[:size]
 
     def _state(self, name: str, m: int, n: int) -> _MatrixState:
         """``name``'s state, created on first use; checks a restored one fits [m, n]."""
@@ -310,33 +300,33 @@ class LowRankProtocol(BucketProtocol):
             self._unclaimed = set(states)
 
 
-def _update_residual(state: _MatrixState, x: np.ndarray, approx: np.ndarray, weight: float,
-                     size: int) -> None:
-    """S ← X − A/P + (w_prev/w − 1)·S in place (``x`` is X = G + S, ``approx`` A; ``weight``
-    this step's w), in passes without a temporary of the matrix's size."""
-    if weight == 0.0:  # no rank had examples: nothing was applied
-        return
+def _approximate(state: _MatrixState, x: np.ndarray, p_hat: np.ndarray, q: np.ndarray,
+                 weight: float, size: int) -> None:
+    """X ← A = P̂·Qᵀ and S ← X − A/P + (w_prev/w − 1)·S, in place (``x`` [m, n] is X = G + S,
+    ``p_hat`` [m, r], ``q`` [n, r]; ``weight`` this step's w): S takes X before A overwrites it,
+    so no matrix-sized temporary is made and each pass touches one or two matrices."""
     residual = state.residual
-    carried = state.weight / weight - 1.0 if residual is not None else 0.0
-    if residual is None:
-        residual = state.residual = np.empty_like(x)
-    if carried == 0.0:  # w unchanged (every step but a short last one)
-        np.copyto(residual, x)
-    else:
-        residual *= carried
-        residual += x
-    for start in range(0, residual.size, _BLOCK):
-        residual.reshape(-1)[start:start + _BLOCK] -= (
-            approx.reshape(-1)[start:start + _BLOCK] * (1.0 / size))
-    state.weight = weight
+    if weight != 0.0:  # weight 0: no rank had examples, nothing was applied or missed
+        carried = state.weight / weight - 1.0 if residual is not None else 0.0
+        if residual is None:
+            residual = state.residual = np.empty_like(x)
+        if carried == 0.0:  # w unchanged (every step but a short last one)
+            np.copyto(residual, x)
+        else:
+            residual *= carried
+            residual += x
+    np.matmul(p_hat, q.T, out=x)
+    if weight != 0.0:
+        for start in range(0, residual.size, _BLOCK):
+            residual.reshape(-1)[start:start + _BLOCK] -= (
+                x.reshape(-1)[start:start + _BLOCK] * (1.0 / size))
+        state.weight = weight
 
 
-def compute_once(x: np.ndarray, q: np.ndarray, residual: np.ndarray,
-                 approx: np.ndarray) -> None:
+def compute_once(x: np.ndarray, q: np.ndarray, residual: np.ndarray) -> None:
     """One member's compute in a step on one rank, without the rounds (the cost model times
-    it): what ``run`` does to ``x`` [m, n] with ``q`` [n, r], ``residual`` and ``approx``
-    [m, n] (overwritten)."""
+    it): what ``run`` does to ``x`` [m, n] with ``q`` [n, r] and ``residual`` [m, n] (both
+    ``x`` and ``residual`` overwritten)."""
     np.add(x, residual, out=x)
     p_hat = orthonormalize(x @ orthonormalize(q))
-    np.matmul(p_hat, (x.T @ p_hat).T, out=approx)
-    _update_residual(_MatrixState(q, residual, 1, 1.0), x, approx, 1.0, 2)
+    _approximate(_MatrixState(q, residual, 1, 1.0), x, p_hat, x.T @ p_hat, 1.0, 2)

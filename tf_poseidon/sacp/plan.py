@@ -236,11 +236,14 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
         sfb_may_pay = config.sfb == "auto" and any(
             c.protocol == SFB and c.refusal is None and cost_model.sfb_may_pay(
                 c.m, c.n, k or ASSUMED_LOCAL_BATCH, num_replicas) for c, k in merged)
-        lowrank_may_pay = lowrank is not None and lowrank.choice == "auto" and any(
-            c.lowrank and lowrank.refusal(c.m, c.n) is None for c in candidates)
+        compressible = [(c.m, c.n) for c in candidates
+                        if lowrank is not None and c.lowrank and lowrank.refusal(c.m, c.n) is None]
+        lowrank_may_pay = lowrank is not None and lowrank.choice == "auto" and bool(compressible)
         if rates is None and (sfb_may_pay or lowrank_may_pay):
+            probe = cost_model.lowrank_probe_shape(compressible)
             rates = cache.rates = cost_model.measure_rates(
-                comm, config.bandwidth_gbps, lowrank.rank if lowrank is not None else None)
+                comm, config.bandwidth_gbps,
+                lowrank.matrix_rank(*probe) if lowrank is not None else None, probe)
         plan_rows = [_row(c, k, config.sfb, num_replicas, element_bytes, rates, lowrank)
                      for c, k in merged]
         # Identical inputs give identical choices; rank 0's are used all the same.
@@ -276,8 +279,7 @@ def _row(c: Candidate, k: int | None, sfb: str, num_replicas: int, element_bytes
     assumed = has_k and k is None
     k_used = (ASSUMED_LOCAL_BATCH if assumed else k) if has_k else None
     bytes_ar = 2 * (p - 1) / p * m * n * element_bytes
-    time_ar = nan if rates is None else bytes_ar / rates.bandwidth_bytes_s + (
-        2 * m * n * k_used / rates.flops_s if k_used else 0.0)
+    time_ar = cost_model.allreduce_time_s(m, n, k_used, p, element_bytes, rates)
     estimates = [Estimate(ALLREDUCE, bytes_ar, time_ar)]
     if c.protocol == SFB:
         if k_used is None:

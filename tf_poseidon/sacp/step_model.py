@@ -17,13 +17,17 @@ The model, per step and rank:
   passes over the values (16-bit: three at ``convert_bytes_s``);
 * **added compute**: SFB's reconstruction, ``2·M·N·(P−1)·K`` flops beyond the local product it
   replaces, and low-rank's own compute, ``M·N / lowrank_elements_s``;
-* **the step**: the compute (with the stack's CPU time) or the last message's end, whichever is
-  later, plus the added
-  compute (which needs the messages and the cores that compute); without overlap
-  (``naive``), compute + every message + the added compute.
+* **the step**: the compute (with the stack's CPU time and the hand-over) or the last message's
+  end, whichever is later, plus the added compute (which needs the messages and the cores that
+  compute); without overlap (``naive``), compute + every message + the hand-over + the added
+  compute.
 
 * **the stack's CPU**: overlapped communication costs the rank's cores ``bytes /
   (stack_bytes_s · cores_per_rank)`` of compute time;
+* **the hand-over**: every value a message carries is copied from the graph into the engine's
+  buffers and its result back, float32 (4 bytes) each way at ``copy_bytes_s`` (the cost
+  model's hand-over: the whole gradient for all-reduce and low-rank, the factors in and the
+  gathered factors out for SFB), on the cores that compute;
 * **shared cores**: the rates of the added compute and the codec's passes are one core's, so
   where ranks share cores each runs at ``cores_per_rank`` of it (as the compute-only step,
   measured with the ranks sharing, already does).
@@ -32,7 +36,7 @@ What it leaves out: the MPI library's own protocol costs (each message is taken 
 link's effective rate, as Open MPI's TCP transport does without its put protocol: the MPI
 settings in docs/architecture.md), stragglers and contention in the switch, the optimizer's
 update after the last bucket (inside compute), and the per-op cost of the graph's hand-over
-(comm/graph_ops.py).
+(comm/graph_ops.py) beyond its copies.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from tf_poseidon.comm import buckets as buckets_lib
 PROTOCOLS = ("naive", "allreduce", "fp16", "sfb", "fp16+sfb", "lowrank")
 """``naive``: float32 all-reduce after the backward pass; ``allreduce``: the same overlapped;
 ``fp16``: 16 bits on the wire; ``sfb``: per Dense kernel SFB or all-reduce, whichever the
-estimate finds faster (as the plan weighs them); ``lowrank``: PowerSGD at ``rank`` for each
-matrix it compresses at least 2× and the estimate finds faster."""
+estimate finds faster (as the plan weighs them); ``lowrank``: the fastest estimate of
+all-reduce, SFB (Dense kernels) and PowerSGD at ``rank`` (matrices it compresses at least 2×),
+as the plan weighs them with ``lowrank=`` and ``sfb="auto"``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,8 @@ class Machine:
     """Rates per rank: ``bandwidth_bytes_s`` each way, ``latency_s`` per collective round,
     ``flops_s`` of the SFB reconstruction, ``convert_bytes_s`` of a 16-bit codec's passes,
     ``lowrank_elements_s`` of PowerSGD's compute, ``stack_bytes_s``: the bytes a core sends
-    (and receives as many) per second of its own time in the network stack and MPI, and
+    (and receives as many) per second of its own time in the network stack and MPI,
+    ``copy_bytes_s`` of a core's memory copy (the hand-over), and
     ``cores_per_rank`` (below 1 where ranks share cores): communication's CPU time comes out
     of the rank's compute, and the other rates, each one core's, run at this fraction."""
 
@@ -80,6 +86,7 @@ class Machine:
     lowrank_elements_s: float = math.inf
     stack_bytes_s: float = math.inf
     cores_per_rank: float = 1.0
+    copy_bytes_s: float = math.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +147,11 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
     share = m.cores_per_rank
     convert = 3 * 4 / (m.convert_bytes_s * share) if "fp16" in protocol else 0.0  # s/element
     ring = 2 * (p - 1) * m.latency_s
+    copy = 4 / (m.copy_bytes_s * share)  # s per float32 value handed over
 
     total_flops = sum(layer.flops for layer in layers) or 1.0
     forward, backward = compute_s / 3, 2 * compute_s / 3
-    messages, added = [], 0.0  # (ready_s, seconds, bytes)
+    messages, added, handed = [], 0.0, 0.0  # (ready_s, seconds, bytes); values handed over
     bucket = [0.0, 0.0, 0.0, 0]  # ready, seconds, bytes, elements of the open bucket
     done_s, buckets = forward, 0
 
@@ -158,26 +166,30 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
         done_s += backward * layer.flops / total_flops
         n = layer.elements
         allreduce_bytes = 2 * (p - 1) / p * n * b
-        choice = "allreduce"
         allreduce_s = allreduce_bytes / m.bandwidth_bytes_s + n * convert
-        if "sfb" in protocol and layer.sfb_rows and layer.matrix:
+        others = []  # (wire seconds, added compute seconds, bytes, values handed over)
+        if protocol in ("sfb", "fp16+sfb", "lowrank") and layer.sfb_rows and layer.matrix:
             rows, cols = layer.matrix
             k = batch * layer.sfb_rows
             nbytes = (p - 1) * k * (rows + cols) * b
-            wire_s, extra_s = nbytes / m.bandwidth_bytes_s + (p - 1) * m.latency_s, \
-                2 * rows * cols * (p - 1) * k / (m.flops_s * share)
-            choice = "sfb" if wire_s + extra_s < allreduce_s else choice  # as the plan weighs
-        elif protocol == "lowrank" and layer.matrix and allreduce_bytes > 0:
+            others.append((nbytes / m.bandwidth_bytes_s + (p - 1) * m.latency_s,
+                           2 * rows * cols * (p - 1) * k / (m.flops_s * share), nbytes,
+                           (1 + p) * k * (rows + cols)))
+        if protocol == "lowrank" and layer.matrix and allreduce_bytes > 0:
             rows, cols = layer.matrix
             nbytes = 2 * (p - 1) / p * (rows + cols) * lowrank_rank * b
-            wire_s = nbytes / m.bandwidth_bytes_s + 2 * ring
-            extra_s = n / (m.lowrank_elements_s * share)
-            compresses = nbytes < allreduce_bytes / 2  # PowerSGD's min_compression
-            choice = "lowrank" if compresses and wire_s + extra_s < allreduce_s else choice
-        if choice != "allreduce":
+            if nbytes < allreduce_bytes / 2:  # PowerSGD's min_compression
+                others.append((nbytes / m.bandwidth_bytes_s + 2 * ring,
+                               n / (m.lowrank_elements_s * share), nbytes, 2 * n))
+        # As the plan weighs them: the fastest estimate, all-reduce on a tie.
+        best = min(others, key=lambda o: o[0] + o[1] + o[3] * copy, default=None)
+        if best is not None and best[0] + best[1] + best[3] * copy < allreduce_s + 2 * n * copy:
+            wire_s, extra_s, nbytes, values = best
             added += extra_s
+            handed += values
             messages.append((done_s, wire_s, nbytes))
             continue
+        handed += 2 * n
         if bucket[3] and (bucket[3] + n) * 4 > (bucket_bytes if buckets else first_bucket_bytes):
             close_bucket()
         bucket[0] = done_s
@@ -193,5 +205,7 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
     # follows the messages it needs, on the cores that compute.
     nbytes = sum(size for _, _, size in messages)
     stack_s = nbytes / (m.stack_bytes_s * share)
-    step = (compute_s + comm if protocol == "naive" else max(compute_s + stack_s, end)) + added
+    handover_s = handed * 4 / (m.copy_bytes_s * share)
+    step = (compute_s + comm + handover_s if protocol == "naive"
+            else max(compute_s + stack_s + handover_s, end)) + added
     return StepEstimate(step, compute_s + added, comm, nbytes)
