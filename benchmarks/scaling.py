@@ -27,13 +27,12 @@ def local_rates() -> dict:
     from tf_poseidon.sacp import cost_model
     u, v = np.ones((64, 2048), np.float32), np.ones((64, 2048), np.float32)
     x, out = np.ones(16 << 20, np.float32), np.empty(16 << 20, np.float16)
-    copied = np.empty_like(x)
     best = lambda fn: timings({"": fn}, 5)[""][0] / 1e3  # noqa: E731  (seconds)
     m, n = cost_model.PROBE_LOWRANK
     return {"flops_s": 2 * 64 * 2048 * 2048 / best(lambda: ops.sfb_reconstruct(u, v).numpy()),
             "convert_bytes_s": x.nbytes / best(lambda: host_kernels.convert(x, out, 1.0)),
             "lowrank_elements_s": m * n / cost_model.time_lowrank(4),
-            "copy_bytes_s": x.nbytes / best(lambda: np.copyto(copied, x))}
+            "copy_bytes_s": cost_model.PROBE_COPY_BYTES / cost_model.time_copy()}
 
 
 def measure(args, bench) -> dict:

@@ -184,10 +184,11 @@ def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None =
                   lowrank_shape: tuple[int, int] = PROBE_LOWRANK) -> Rates:
     """Collective (every rank, on the engine thread, blocking for ~0.1–1 s): times small and
     ``PROBE_BYTES`` all-reduces (unless ``bandwidth_gbps`` is given), a reconstruction of
-    :data:`PROBE_MATMUL`, a copy of :data:`PROBE_COPY_BYTES` and, with ``lowrank_rank``, the
-    low-rank compute of a ``lowrank_shape`` matrix at that rank; every rank gets the same Rates (the slowest
-    rank's times). The compute is timed on every rank at once, as a step runs it, so ranks
-    that share cores measure the rate they get in a step."""
+    :data:`PROBE_MATMUL`, a copy of :data:`PROBE_COPY_BYTES` (:func:`time_copy`) and, with
+    ``lowrank_rank``, the low-rank compute of a ``lowrank_shape`` matrix at that rank
+    (:func:`time_lowrank`); every rank gets the same Rates (the slowest rank's times). The
+    compute and the copy are timed on every rank at once, as a step runs them, so ranks that
+    share cores measure the rate they get in a step."""
     from mpi4py import MPI
 
     from tf_poseidon import ops
@@ -207,20 +208,9 @@ def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None =
     v = rng.standard_normal((r, n), dtype=np.float32)
     ops.sfb_reconstruct(u, v)  # warm-up (and op loading)
     comm.Barrier()
-    matmul_times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        ops.sfb_reconstruct(u, v).numpy()
-        matmul_times.append(time.perf_counter() - start)
-    source_buffer = np.ones(PROBE_COPY_BYTES // 4, np.float32)
-    target_buffer = np.empty_like(source_buffer)
+    matmul_s = _best_seconds(lambda: ops.sfb_reconstruct(u, v).numpy())
     comm.Barrier()
-    copy_times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        np.copyto(target_buffer, source_buffer)
-        copy_times.append(time.perf_counter() - start)
-    del source_buffer, target_buffer
+    copy_s = time_copy()
     comm.Barrier()
     lowrank_s = time_lowrank(lowrank_rank, lowrank_shape) if lowrank_rank is not None else 0.0
     small = np.zeros(2, np.float32)
@@ -231,8 +221,7 @@ def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None =
         big = np.zeros(PROBE_BYTES // 4, np.float32)
         big_time = min(timed_allreduce(big, 3))  # min: the capacity, not the noise
     # The slowest rank's figures, on every rank.
-    figures = np.array([min(matmul_times), latency, big_time, lowrank_s, min(copy_times)],
-                       np.float64)
+    figures = np.array([matmul_s, latency, big_time, lowrank_s, copy_s], np.float64)
     comm.Allreduce(MPI.IN_PLACE, figures, op=MPI.MAX)
     matmul_s, latency, big_time, lowrank_s, copy_s = (float(f) for f in figures)
     flops = 2 * r * m * n / max(matmul_s, 1e-9)
@@ -251,18 +240,32 @@ def measure_rates(comm, bandwidth_gbps: float | None, lowrank_rank: int | None =
 
 
 def time_lowrank(rank: int, shape: tuple[int, int] = PROBE_LOWRANK) -> float:
-    """Seconds (best of 3) of one rank's low-rank compute on a ``shape`` matrix: the
-    protocol's own steps on one rank, without the rounds."""
+    """Seconds (best of 3, after a warm-up) of one rank's low-rank compute on a ``shape``
+    matrix: the protocol's own steps on one rank, without the rounds."""
     from tf_poseidon.lowrank import blas, protocol
     m, n = shape
     rng = np.random.default_rng(0)
     x = rng.standard_normal((m, n), dtype=np.float32)
     q = rng.standard_normal((n, rank), dtype=np.float32)
     residual = np.zeros_like(x)
-    times = []
     with blas.one_thread():
-        for _ in range(4):
-            start = time.perf_counter()
-            protocol.compute_once(x, q, residual)
-            times.append(time.perf_counter() - start)
-    return min(times[1:])
+        protocol.compute_once(x, q, residual)
+        return _best_seconds(lambda: protocol.compute_once(x, q, residual))
+
+
+def time_copy() -> float:
+    """Seconds (best of 3) of one rank copying :data:`PROBE_COPY_BYTES` of float32 from one
+    buffer to another, as the hand-over copies a gradient."""
+    source = np.ones(PROBE_COPY_BYTES // 4, np.float32)
+    target = np.empty_like(source)
+    return _best_seconds(lambda: np.copyto(target, source))
+
+
+def _best_seconds(run, repeats: int = 3) -> float:
+    """The shortest of ``repeats`` timed calls of ``run``: the capacity, not the noise."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)

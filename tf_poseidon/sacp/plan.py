@@ -236,8 +236,8 @@ def agree(engine, candidates: Sequence[Candidate], config, num_replicas: int,
         sfb_may_pay = config.sfb == "auto" and any(
             c.protocol == SFB and c.refusal is None and cost_model.sfb_may_pay(
                 c.m, c.n, k or ASSUMED_LOCAL_BATCH, num_replicas) for c, k in merged)
-        compressible = [(c.m, c.n) for c in candidates
-                        if lowrank is not None and c.lowrank and lowrank.refusal(c.m, c.n) is None]
+        compressible = [] if lowrank is None else [
+            (c.m, c.n) for c in candidates if c.lowrank and lowrank.refusal(c.m, c.n) is None]
         lowrank_may_pay = lowrank is not None and lowrank.choice == "auto" and bool(compressible)
         if rates is None and (sfb_may_pay or lowrank_may_pay):
             probe = cost_model.lowrank_probe_shape(compressible)

@@ -149,6 +149,10 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
     ring = 2 * (p - 1) * m.latency_s
     copy = 4 / (m.copy_bytes_s * share)  # s per float32 value handed over
 
+    def option_s(option: tuple) -> float:  # wire, added compute and hand-over of SFB or low-rank
+        wire_s, extra_s, _, values = option
+        return wire_s + extra_s + values * copy
+
     total_flops = sum(layer.flops for layer in layers) or 1.0
     forward, backward = compute_s / 3, 2 * compute_s / 3
     messages, added, handed = [], 0.0, 0.0  # (ready_s, seconds, bytes); values handed over
@@ -182,8 +186,8 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
                 others.append((nbytes / m.bandwidth_bytes_s + 2 * ring,
                                n / (m.lowrank_elements_s * share), nbytes, 2 * n))
         # As the plan weighs them: the fastest estimate, all-reduce on a tie.
-        best = min(others, key=lambda o: o[0] + o[1] + o[3] * copy, default=None)
-        if best is not None and best[0] + best[1] + best[3] * copy < allreduce_s + 2 * n * copy:
+        best = min(others, key=option_s, default=None)
+        if best is not None and option_s(best) < allreduce_s + 2 * n * copy:
             wire_s, extra_s, nbytes, values = best
             added += extra_s
             handed += values
@@ -205,7 +209,7 @@ def estimate(layers: Sequence[Layer], protocol: str, ranks: int, batch: int,
     # follows the messages it needs, on the cores that compute.
     nbytes = sum(size for _, _, size in messages)
     stack_s = nbytes / (m.stack_bytes_s * share)
-    handover_s = handed * 4 / (m.copy_bytes_s * share)
+    handover_s = handed * copy
     step = (compute_s + comm + handover_s if protocol == "naive"
             else max(compute_s + stack_s + handover_s, end)) + added
     return StepEstimate(step, compute_s + added, comm, nbytes)
