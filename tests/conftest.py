@@ -7,6 +7,13 @@ Tiers (markers; README.md, "Development"): unmarked tests run in this process (t
 the single-process runs they are compared with; ``cluster`` tests build network namespaces
 (root, iproute2); ``gpu`` tests need an NVIDIA GPU and are skipped, with the reason, where
 nvidia-smi lists none.
+
+This process's TensorFlow gets LOOPBACK_INTER_OP_THREADS inter-op threads: the fast tier's
+loopback tests (tf_poseidon/testing/loopback.py) run the P ranks of a job as threads of this
+one process, and while a traced step waits for its peers, each rank's collect op holds one
+inter-op thread (comm/graph_ops.py). P processes would have a pool each; here the ranks share
+one, which by default has as many threads as cores, so that a thread held a moment longer by
+an earlier test can leave a rank with none to hand its buckets over.
 """
 
 import functools
@@ -21,6 +28,12 @@ os.environ.setdefault("TF_POSEIDON_REQUIRE_OPS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LOOPBACK_INTER_OP_THREADS = 8
+
+import tensorflow as tf  # noqa: E402  (after the log level is set)
+
+tf.config.threading.set_inter_op_parallelism_threads(LOOPBACK_INTER_OP_THREADS)
 
 TIERS = {
     "multirank": "starts training jobs of tests/workers/ or examples/ (mpirun, or alone)",

@@ -247,8 +247,8 @@ def trained(monkeypatch, compression, overlap, setting):
         lambda comm: train_on_loopback_rank(comm, compression, overlap))
 
 
-# Traced at 2 ranks only: each rank's collect op blocks one of TensorFlow's inter-op threads
-# (as many as cores, 2 on CI) until every rank has handed the bucket over.
+# Each rank's collect op holds one of this process's inter-op threads until every rank has
+# handed the bucket over: tests/conftest.py gives the process enough for the ranks here.
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("compression", ["none", "bf16", "fp16"])
 def test_sync_training_packed_on_the_device_gives_the_host_paths_weights_bit_for_bit(
