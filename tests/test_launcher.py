@@ -33,9 +33,10 @@ def test_local_run_command():
     assert p.argv[-3:] == ["train.py", "--epochs", "3"] and p.argv[-4] == "python"
     assert p.argv[p.argv.index("-np") + 1] == "2"
     assert p.argv[p.argv.index("--bind-to") + 1] == "none"
-    for name, value in world.OPEN_MPI_DEFAULTS.items():
+    for name, value in (world.OPEN_MPI_DEFAULTS | world.COLLECTIVE_RULES).items():
         assert mca(p.argv, name) == value
     assert "put" not in mca(p.argv, "btl_tcp_flags").split(",")
+    assert os.path.isfile(mca(p.argv, "coll_tuned_dynamic_rules_filename"))
     assert "-H" not in p.argv and mca(p.argv, "btl") is None  # local: Open MPI's defaults
     assert p.remote_hosts == []
 
@@ -277,17 +278,71 @@ def test_users_own_mca_settings_win():
     assert mca(p.argv, "btl_tcp_flags") is None  # the user's variable reaches the ranks
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("environ, expected", [
-    ({}, world.OPEN_MPI_DEFAULTS["btl_tcp_flags"]),
-    ({"OMPI_MCA_btl_tcp_flags": "send,put,inplace"}, "send,put,inplace"),
+@pytest.mark.parametrize("user, rules", [
+    (set(), True),
+    ({"btl_tcp_flags", "coll_tuned_priority", "coll_tuned_verbose"}, True),
+    ({"coll_tuned_use_dynamic_rules"}, False),
+    ({"coll_tuned_dynamic_rules_filename"}, False),
+    ({"coll_tuned_allreduce_algorithm"}, False),  # forced: a rules file would override it
+    ({"coll_tuned_bcast_algorithm_segmentsize"}, False),
 ])
-def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, expected):
-    """mpi_comm() sets OPEN_MPI_DEFAULTS before MPI starts, for jobs not started by
+def test_the_allreduce_rules_are_installed_unless_the_user_chose_algorithms(user, rules):
+    chosen = world.open_mpi_defaults(user)
+    assert {k: v for k, v in chosen.items() if k in world.OPEN_MPI_DEFAULTS} == {
+        k: v for k, v in world.OPEN_MPI_DEFAULTS.items() if k not in user}
+    assert (chosen.items() >= world.COLLECTIVE_RULES.items()) == rules
+    assert rules or not set(chosen) & set(world.COLLECTIVE_RULES)
+    argv = plan("-np", "2", "python", "x.py", environ={
+        "PATH": "/usr/bin", **{f"OMPI_MCA_{name}": "1" for name in user}}).argv
+    assert (mca(argv, "coll_tuned_dynamic_rules_filename") is not None) == rules
+
+
+def read_classic_rules(path):
+    """Open MPI's classic rules file as {collective id: {comm size: [(bytes, alg, topo, segs,
+    reqs)]}}, refusing what its reader would not take: counts that do not match, message sizes
+    not ascending from 0, comm sizes not ascending."""
+    with open(path) as f:
+        lines = [line.split("#")[0].split() for line in f]
+    assert lines[0] == ["rule-file-version-2"]
+    numbers = iter(int(word) for line in lines[1:] for word in line)
+    rules = {}
+    for _ in range(next(numbers)):
+        collective, sizes = next(numbers), {}
+        for _ in range(next(numbers)):
+            comm_size, count = next(numbers), next(numbers)
+            sizes[comm_size] = [tuple(next(numbers) for _ in range(5)) for _ in range(count)]
+            message_sizes = [rule[0] for rule in sizes[comm_size]]
+            assert message_sizes[0] == 0 and message_sizes == sorted(set(message_sizes))
+        assert list(sizes) == sorted(sizes)
+        rules[collective] = sizes
+    assert next(numbers, None) is None, "numbers left over after the last rule"
+    return rules
+
+
+def test_the_allreduce_rules_file_takes_the_ring_from_three_ranks_and_256_kib():
+    """Open MPI reads the file silently: a malformed one is ignored without a word, so its
+    shape is checked here (collective 2 is MPI_Allreduce; algorithm 0 is Open MPI's own
+    choice, 4 the ring)."""
+    rules = read_classic_rules(world.ALLREDUCE_RULES)
+    assert rules == {2: {2: [(0, 0, 0, 0, 0)],
+                         3: [(0, 0, 0, 0, 0), (256 << 10, 4, 0, 0, 0)]}}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("environ, expected, rules", [
+    ({}, world.OPEN_MPI_DEFAULTS["btl_tcp_flags"], True),
+    ({"OMPI_MCA_btl_tcp_flags": "send,put,inplace"}, "send,put,inplace", True),
+    ({"OMPI_MCA_coll_tuned_use_dynamic_rules": "0"}, world.OPEN_MPI_DEFAULTS["btl_tcp_flags"],
+     False),
+])
+def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, expected, rules):
+    """mpi_comm() sets open_mpi_defaults() before MPI starts, for jobs not started by
     tfposeidon-run; a value the user set (here through mpirun's environment) is kept."""
     script = WORLD_ONLY + textwrap.dedent("""
         comm = world.mpi_comm()
-        print("rank", comm.Get_rank(), os.environ["OMPI_MCA_btl_tcp_flags"], flush=True)
+        rules = os.environ.get("OMPI_MCA_coll_tuned_dynamic_rules_filename", "")
+        print("rank", comm.Get_rank(), os.environ["OMPI_MCA_btl_tcp_flags"],
+              os.path.isfile(rules), flush=True)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")} | environ
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -296,7 +351,7 @@ def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, 
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
-        f"rank 0 {expected}", f"rank 1 {expected}"]
+        f"rank 0 {expected} {rules}", f"rank 1 {expected} {rules}"]
 
 
 def test_inside_slurm_allocation_no_ssh():

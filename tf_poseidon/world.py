@@ -192,17 +192,43 @@ OPEN_MPI_DEFAULTS: dict[str, str] = {
     # once (docs/architecture.md, "MPI settings").
     "btl_tcp_flags": "send,inplace,need-ack,need-csum,hetero-rdma",
 }
-"""Open MPI parameters tf_poseidon sets unless the user set them (as ``OMPI_MCA_<name>``, or
+"""Open MPI parameters tf_poseidon sets, each unless the user set it (as ``OMPI_MCA_<name>``, or
 with ``--mca`` on ``mpirun``, which reaches the ranks as the same variables):
 :func:`mpi_comm` before MPI starts, ``tfposeidon-run`` on its ``mpirun`` command line."""
+
+ALLREDUCE_RULES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "allreduce_rules.conf")
+"""Open MPI's tuned component's rules file that tf_poseidon installs: from 3 ranks, all-reduces
+of 256 KiB and more take the ring; everything else is Open MPI's own choice
+(docs/architecture.md, "MPI settings")."""
+
+COLLECTIVE_RULES: dict[str, str] = {"coll_tuned_use_dynamic_rules": "1",
+                                    "coll_tuned_dynamic_rules_filename": ALLREDUCE_RULES}
+"""The parameters that install :data:`ALLREDUCE_RULES`: set together, and only where the user
+chose no algorithm of the tuned component (a rules file would override one the user forced)."""
+
+
+def _chooses_algorithms(param: str) -> bool:
+    return param in COLLECTIVE_RULES or (param.startswith("coll_tuned_") and
+                                         "_algorithm" in param)
+
+
+def open_mpi_defaults(user_params: set[str] | frozenset[str]) -> dict[str, str]:
+    """The Open MPI parameters tf_poseidon sets (name -> value) given the names of those the
+    user set (without the ``OMPI_MCA_`` prefix): :data:`OPEN_MPI_DEFAULTS` less the user's,
+    and :data:`COLLECTIVE_RULES` unless the user set one of them or forced an algorithm
+    (``coll_tuned_<collective>_algorithm*``)."""
+    chosen = {k: v for k, v in OPEN_MPI_DEFAULTS.items() if k not in user_params}
+    if not any(_chooses_algorithms(name) for name in user_params):
+        chosen |= COLLECTIVE_RULES
+    return chosen
 
 
 def mpi_comm():
     """The job's MPI communicator (a duplicate of COMM_WORLD), initialising MPI on first use.
 
     Called by the communication engine; only valid when size() > 1. Sets
-    :data:`OPEN_MPI_DEFAULTS` in the environment (each unless the user set it) before MPI
-    starts, and installs :func:`abort_on_uncaught_exception`.
+    :func:`open_mpi_defaults` in the environment before MPI starts, and installs
+    :func:`abort_on_uncaught_exception`.
     Raises WorldError if MPI's world disagrees with the launcher's variables or MPI provides
     less than ``MPI_THREAD_MULTIPLE`` (e.g. the program initialised MPI itself at a lower
     level).
@@ -213,8 +239,9 @@ def mpi_comm():
     w = world()
     if w.size == 1:
         raise WorldError("mpi_comm() called in a world of one process; nothing to communicate.")
-    for name, value in OPEN_MPI_DEFAULTS.items():
-        os.environ.setdefault(f"OMPI_MCA_{name}", value)
+    user = {name[len("OMPI_MCA_"):] for name in os.environ if name.startswith("OMPI_MCA_")}
+    for name, value in open_mpi_defaults(user).items():
+        os.environ[f"OMPI_MCA_{name}"] = value
     import mpi4py
     mpi4py.rc.thread_level = "multiple"
     mpi4py.rc.finalize = True
