@@ -38,9 +38,15 @@ def test_a_nan_or_inf_on_one_rank_reaches_every_rank(codec_report, compression):
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
 def test_sum_into_a_separate_buffer_without_spinning_equals_the_in_place_sum(codec_report,
                                                                            compression):
+    """The same bits where the codec sums (fp16, bf16); float32's sum is MPI's own, and its
+    blocking and non-blocking all-reduces may add in different orders (from 3 ranks, the
+    blocking one takes the ring for 256 KiB and more: tf_poseidon/allreduce_rules.conf), so
+    there each is held to float32 summation's error bound; every rank gets the same bits."""
     for report in codec_report:
-        assert report[f"sum_into/{compression}"] == {"is_out": True, "equal": True,
-                                                    "payload_intact": True}
+        result = report[f"sum_into/{compression}"]
+        assert result["is_out"] and result["payload_intact"]
+        assert result["within_bound"] if compression == "none" else result["equal"]
+    assert len({report[f"sum_into/{compression}"]["digest"] for report in codec_report}) == 1
 
 
 def test_fp16_halves_the_bytes_on_the_wire(codec_report):
