@@ -14,10 +14,12 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
 - ``--bind-to none``: no core binding; TensorFlow sizes its own thread pools (see
   ``tf_poseidon.placement``). ``--oversubscribe`` when a local run asks for more ranks than
   the machine has cores.
-- ``--mca <name> <value>`` for each of ``tf_poseidon.world.open_mpi_defaults()``: ranks waiting
-  in MPI give their core to TF's compute (``mpi_yield_when_idle 1``), the TCP transport
-  sends large messages in both directions at once (``btl_tcp_flags`` without ``put``), and
-  from 3 ranks large all-reduces take the ring (a rules file for Open MPI's tuned component).
+- ``--mca <name> <value>`` for each of ``tf_poseidon.world.OPEN_MPI_DEFAULTS``: ranks waiting
+  in MPI give their core to TF's compute (``mpi_yield_when_idle 1``), and the TCP transport
+  sends large messages in both directions at once (``btl_tcp_flags`` without ``put``).
+  (Open MPI's all-reduce rules, ``world.COLLECTIVE_RULES``, are not among them: each rank
+  names its own installed copy of the rules file, which the launching host's path might not
+  be on another host, and ranks whose algorithms differ would not match.)
 - ``--allow-run-as-root`` (and ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]=1``) when run as root.
 - ``-x NAME`` for the variables of the caller's environment the ranks need on other hosts:
   :data:`FORWARDED_NAMES` and every variable starting with one of :data:`FORWARDED_PREFIXES`
@@ -78,7 +80,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from tf_poseidon.world import ABORT_MARK, open_mpi_defaults
+from tf_poseidon.world import ABORT_MARK, OPEN_MPI_DEFAULTS
 
 # What a rank on another host needs of the caller's environment: finding this Python
 # environment, and the variables TensorFlow, Keras and the OpenMP runtime read at start-up.
@@ -332,8 +334,8 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
         argv += ["--bind-to", "none"]
     if not hosts and np_ > _physical_cores():
         argv.append("--oversubscribe")
-    for name, value in open_mpi_defaults(user_params).items():
-        argv += ["--mca", name, value]
+    for name, value in OPEN_MPI_DEFAULTS.items():
+        argv += mca(name, value)
 
     remote = [h.name for h in hosts if not _is_local(h.name)]
     agent = _mpi_args_agent(mpi_args)
