@@ -205,8 +205,9 @@ COLLECTIVE_RULES: dict[str, str] = {"coll_tuned_use_dynamic_rules": "1",
                                     "coll_tuned_dynamic_rules_filename": ALLREDUCE_RULES}
 """The parameters that install :data:`ALLREDUCE_RULES`: set together, and only where the user
 chose no algorithm of the tuned component (a rules file would override one the user forced).
-Set by each rank for itself (:func:`mpi_comm`), with its own copy's path: Open MPI takes a
-rules file it cannot read for none at all, and ranks whose algorithms differ do not match."""
+Set by each rank for itself (:func:`mpi_comm`), with its own copy's path: where Open MPI
+cannot read the file it silently keeps its own choices, and ranks whose algorithms differ do
+not match."""
 
 
 def _chooses_algorithms(param: str) -> bool:
