@@ -288,12 +288,23 @@ def test_users_own_mca_settings_win():
     ({"coll_tuned_bcast_algorithm_segmentsize"}, False),
 ])
 def test_the_allreduce_rules_are_installed_unless_the_user_chose_algorithms(user, rules):
-    chosen = world.open_mpi_defaults(user)
+    chosen = world.open_mpi_defaults(user, 4)
     assert {k: v for k, v in chosen.items() if k in world.OPEN_MPI_DEFAULTS} == {
         k: v for k, v in world.OPEN_MPI_DEFAULTS.items() if k not in user}
     assert (chosen.items() >= world.COLLECTIVE_RULES.items()) == rules
     assert rules or not set(chosen) & set(world.COLLECTIVE_RULES)
     assert os.path.isfile(world.ALLREDUCE_RULES)
+
+
+@pytest.mark.parametrize("size, user, ring", [
+    (2, set(), True), (3, set(), True), (4, set(), False), (64, set(), False),
+    (3, {"coll_libnbc_iallreduce_algorithm"}, False),
+    (3, {"coll_tuned_allreduce_algorithm"}, True),  # the blocking component's, not libnbc's
+])
+def test_non_blocking_all_reduces_take_the_ring_below_four_ranks_unless_set(size, user, ring):
+    chosen = world.open_mpi_defaults(user, size)
+    assert (chosen.get("coll_libnbc_iallreduce_algorithm") == "1") == ring
+    assert ring or "coll_libnbc_iallreduce_algorithm" not in chosen
 
 
 def read_classic_rules(path):
@@ -341,7 +352,8 @@ def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, 
         comm = world.mpi_comm()
         rules = os.environ.get("OMPI_MCA_coll_tuned_dynamic_rules_filename", "")
         print("rank", comm.Get_rank(), os.environ["OMPI_MCA_btl_tcp_flags"],
-              os.path.isfile(rules), flush=True)
+              os.path.isfile(rules), os.environ["OMPI_MCA_coll_libnbc_iallreduce_algorithm"],
+              flush=True)
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_MCA_")} | environ
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -350,7 +362,7 @@ def test_ranks_under_plain_mpirun_get_the_open_mpi_defaults_unless_set(environ, 
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == [
-        f"rank 0 {expected} {rules}", f"rank 1 {expected} {rules}"]
+        f"rank 0 {expected} {rules} 1", f"rank 1 {expected} {rules} 1"]  # 2 ranks: the ring
 
 
 def test_inside_slurm_allocation_no_ssh():

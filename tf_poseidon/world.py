@@ -210,19 +210,33 @@ cannot read the file it silently keeps its own choices, and ranks whose algorith
 not match."""
 
 
+NONBLOCKING_RING_BELOW = 4
+NONBLOCKING_RING: dict[str, str] = {"coll_libnbc_iallreduce_algorithm": "1"}
+"""Set below :data:`NONBLOCKING_RING_BELOW` ranks, unless the user set it: non-blocking
+all-reduces (SSP's exchange from 3 ranks) by the ring. There Open MPI's non-blocking component
+(libnbc) otherwise takes a binomial tree for every message, which reduces every rank's whole
+vector into one root and broadcasts it back; from 4 ranks its own choice splits large
+messages (reduce-scatter, all-gather). The parameter applies to every message size, so it is
+not set from 4 ranks (docs/cluster.md)."""
+
+
 def _chooses_algorithms(param: str) -> bool:
     return param in COLLECTIVE_RULES or (param.startswith("coll_tuned_") and
                                          "_algorithm" in param)
 
 
-def open_mpi_defaults(user_params: set[str] | frozenset[str]) -> dict[str, str]:
-    """The Open MPI parameters tf_poseidon sets (name -> value) given the names of those the
-    user set (without the ``OMPI_MCA_`` prefix): :data:`OPEN_MPI_DEFAULTS` less the user's,
-    and :data:`COLLECTIVE_RULES` unless the user set one of them or forced an algorithm
-    (``coll_tuned_<collective>_algorithm*``)."""
+def open_mpi_defaults(user_params: set[str] | frozenset[str], size: int) -> dict[str, str]:
+    """The Open MPI parameters tf_poseidon sets (name -> value) in a job of ``size`` ranks,
+    given the names of those the user set (without the ``OMPI_MCA_`` prefix):
+    :data:`OPEN_MPI_DEFAULTS` less the user's, :data:`COLLECTIVE_RULES` unless the user set
+    one of them or forced an algorithm (``coll_tuned_<collective>_algorithm*``), and
+    :data:`NONBLOCKING_RING` below :data:`NONBLOCKING_RING_BELOW` ranks unless the user set
+    it."""
     chosen = {k: v for k, v in OPEN_MPI_DEFAULTS.items() if k not in user_params}
     if not any(_chooses_algorithms(name) for name in user_params):
         chosen |= COLLECTIVE_RULES
+    if size < NONBLOCKING_RING_BELOW:
+        chosen |= {k: v for k, v in NONBLOCKING_RING.items() if k not in user_params}
     return chosen
 
 
@@ -243,7 +257,7 @@ def mpi_comm():
     if w.size == 1:
         raise WorldError("mpi_comm() called in a world of one process; nothing to communicate.")
     user = {name[len("OMPI_MCA_"):] for name in os.environ if name.startswith("OMPI_MCA_")}
-    for name, value in open_mpi_defaults(user).items():
+    for name, value in open_mpi_defaults(user, w.size).items():
         os.environ[f"OMPI_MCA_{name}"] = value
     import mpi4py
     mpi4py.rc.thread_level = "multiple"
