@@ -17,8 +17,8 @@ on the MPI library. What the launcher adds to ``mpirun`` (``--verbose`` prints t
 - ``--mca <name> <value>`` for each of ``tf_poseidon.world.OPEN_MPI_DEFAULTS``: ranks waiting
   in MPI give their core to TF's compute (``mpi_yield_when_idle 1``), and the TCP transport
   sends large messages in both directions at once (``btl_tcp_flags`` without ``put``).
-  (Open MPI's all-reduce rules, ``world.COLLECTIVE_RULES``, are not among them: each rank
-  names its own installed copy of the rules file, which the launching host's path might not
+  (Not the collective settings of ``world.open_mpi_defaults``: each rank sets those itself,
+  naming its own installed copy of the rules file, which the launching host's path might not
   be on another host, and ranks whose algorithms differ would not match.)
 - ``--allow-run-as-root`` (and ``OMPI_ALLOW_RUN_AS_ROOT[_CONFIRM]=1``) when run as root.
 - ``-x NAME`` for the variables of the caller's environment the ranks need on other hosts:
@@ -80,7 +80,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
-from tf_poseidon.world import ABORT_MARK, OPEN_MPI_DEFAULTS
+from tf_poseidon.world import ABORT_MARK, OPEN_MPI_DEFAULTS, mca_params_in
 
 # What a rank on another host needs of the caller's environment: finding this Python
 # environment, and the variables TensorFlow, Keras and the OpenMP runtime read at start-up.
@@ -316,8 +316,7 @@ def plan(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchPlan:
     if args.timeline_filename:
         env["TF_POSEIDON_TIMELINE"] = os.path.abspath(args.timeline_filename)
 
-    user_params = _mca_params(mpi_args) | {name[len("OMPI_MCA_"):] for name in env
-                                           if name.startswith("OMPI_MCA_")}
+    user_params = _mca_params(mpi_args) | mca_params_in(env)
 
     def mca(name: str, value: str) -> list[str]:
         # Open MPI refuses a parameter given twice: the user's own setting wins.

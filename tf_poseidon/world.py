@@ -209,7 +209,6 @@ Set by each rank for itself (:func:`mpi_comm`), with its own copy's path: where 
 cannot read the file it silently keeps its own choices, and ranks whose algorithms differ do
 not match."""
 
-
 NONBLOCKING_RING_BELOW = 4
 NONBLOCKING_RING: dict[str, str] = {"coll_libnbc_iallreduce_algorithm": "1"}
 """Set below :data:`NONBLOCKING_RING_BELOW` ranks, unless the user set it: non-blocking
@@ -218,6 +217,12 @@ all-reduces (SSP's exchange from 3 ranks) by the ring. There Open MPI's non-bloc
 vector into one root and broadcasts it back; from 4 ranks its own choice splits large
 messages (reduce-scatter, all-gather). The parameter applies to every message size, so it is
 not set from 4 ranks (docs/cluster.md)."""
+
+
+def mca_params_in(environ: Mapping[str, str]) -> set[str]:
+    """Names of the Open MPI parameters set in ``environ`` (``OMPI_MCA_<name>``), without the
+    prefix."""
+    return {name[len("OMPI_MCA_"):] for name in environ if name.startswith("OMPI_MCA_")}
 
 
 def _chooses_algorithms(param: str) -> bool:
@@ -256,8 +261,7 @@ def mpi_comm():
     w = world()
     if w.size == 1:
         raise WorldError("mpi_comm() called in a world of one process; nothing to communicate.")
-    user = {name[len("OMPI_MCA_"):] for name in os.environ if name.startswith("OMPI_MCA_")}
-    for name, value in open_mpi_defaults(user, w.size).items():
+    for name, value in open_mpi_defaults(mca_params_in(os.environ), w.size).items():
         os.environ[f"OMPI_MCA_{name}"] = value
     import mpi4py
     mpi4py.rc.thread_level = "multiple"

@@ -4,8 +4,9 @@
     compression_check.py lossscale OUT   LossScaleOptimizer with a NaN in one rank's rows
 
 codec writes OUT/codec_rank<r>.json: relative errors per (compression, size), the NaN/Inf
-results, sum_into's results through a non-blocking communicator against the blocking ones, the strategy's bytes per step for fp32 and fp16 gradient reductions, and how far SGD
-at lr 1e34 moves a kernel whose gradients are ~1e-35 (normal floats) with each compression.
+results, sum_into's results through a non-blocking communicator against the blocking ones,
+the strategy's bytes per step for fp32 and fp16 gradient reductions, and how far SGD at lr
+1e34 moves a kernel whose gradients are ~1e-35 (normal floats) with each compression.
 lossscale writes OUT/lossscale_rank<r>.npz: final weights and loss scale; run it alone and
 on several ranks: the step with the NaN must be skipped everywhere alike.
 """
