@@ -387,6 +387,20 @@ def test_sigterm_is_forwarded_then_enforced(monkeypatch, body, expected):
     assert time.monotonic() - start < 10
 
 
+def test_output_held_open_by_a_leftover_child_does_not_hold_the_launcher(capfd):
+    """A process mpirun started for a lost host (ssh, the remote daemon) can keep mpirun's
+    pipes open long after mpirun exited; the launcher ends OUTPUT_DRAIN_S after mpirun."""
+    body = f"sleep 60 & echo relayed; echo '{launcher.LOST_DAEMON.decode()}' >&2"
+    job = launcher.LaunchPlan(argv=["sh", "-c", body], env=dict(os.environ), remote_hosts=[],
+                              agent=[], start_timeout=1.0)
+    start = time.monotonic()
+    end = launcher.run(job)
+    assert time.monotonic() - start < launcher.OUTPUT_DRAIN_S + 5
+    assert end == launcher.JobEnd(1, False, ["Open MPI lost a host"])
+    out, err = capfd.readouterr()
+    assert "relayed" in out and launcher.LOST_DAEMON.decode() in err
+
+
 def test_the_programs_own_flags_are_passed_through_untouched():
     parser = launcher.make_parser()
     args = launcher.parse_args(parser, ["-np", "2", "--verbose", "python", "train.py",

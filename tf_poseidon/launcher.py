@@ -96,6 +96,9 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_START_TIMEOUT_S = 30.0
 SHUTDOWN_GRACE_S = 30.0
+# After mpirun has exited, its output is relayed this much longer at most: a process it started
+# for a lost host (ssh, or the remote daemon itself) can hold the pipes open for minutes.
+OUTPUT_DRAIN_S = 2.0
 RESTART_DELAY_S = 1.0
 RESTART_ENV = "TF_POSEIDON_RESTART"
 _AGENT_PARAMS = ("plm_rsh_agent", "plm_ssh_agent")
@@ -488,7 +491,8 @@ def run(launch: LaunchPlan) -> JobEnd:
     user's); its status is mpirun's (128+N for signal N).
 
     SIGINT and SIGTERM received meanwhile are passed to mpirun; if it has not ended
-    SHUTDOWN_GRACE_S after that, it is killed. mpirun's output is relayed; if Open MPI reports
+    SHUTDOWN_GRACE_S after that, it is killed. mpirun's output is relayed until OUTPUT_DRAIN_S
+    after it exits (what its leftover children write later is dropped); if Open MPI reports
     a lost host (it then ends the job but exits 0), the status is 1. When the job failed, the
     causes found in its output are printed last, one line each, as
     ``tfposeidon-run: the job failed: ...``.
@@ -526,8 +530,9 @@ def run(launch: LaunchPlan) -> JobEnd:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        drained = time.monotonic() + OUTPUT_DRAIN_S
         for relay in relays:
-            relay.join(timeout=SHUTDOWN_GRACE_S)
+            relay.join(timeout=max(0.0, drained - time.monotonic()))
     status = 128 - code if code < 0 else code
     if status == 0 and watch.lost_daemon:
         sys.stderr.write("tfposeidon-run: Open MPI lost a host and ended the job; exiting 1\n")
