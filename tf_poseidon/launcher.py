@@ -491,8 +491,9 @@ def run(launch: LaunchPlan) -> JobEnd:
     user's); its status is mpirun's (128+N for signal N).
 
     SIGINT and SIGTERM received meanwhile are passed to mpirun; if it has not ended
-    SHUTDOWN_GRACE_S after that, it is killed. mpirun's output is relayed until OUTPUT_DRAIN_S
-    after it exits (what its leftover children write later is dropped); if Open MPI reports
+    SHUTDOWN_GRACE_S after that, it is killed. mpirun's output is relayed; once mpirun has
+    exited, the launcher waits at most OUTPUT_DRAIN_S for its pipes to close (a child it left
+    on a lost host may hold them open for minutes), then goes on; if Open MPI reports
     a lost host (it then ends the job but exits 0), the status is 1. When the job failed, the
     causes found in its output are printed last, one line each, as
     ``tfposeidon-run: the job failed: ...``.
