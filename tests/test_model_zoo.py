@@ -33,16 +33,16 @@ ACCURACY_POINTS = 0.01
 ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "wide_deep-sync",
        "wide_deep-xla", "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3",
        "mp_mlp-sliced2", "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync",
-       "two_io-sync", "bn_mlp-sync"]
+       "two_io-sync", "bn_mlp-sync", "stopping-sync"]
 TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16", "bn_cnn-ssp",
        "bn_cnn-easgd", "transformer-sync", "transformer-always", "transformer-fp16",
        "transformer-ssp", "transformer-easgd", "rnn-sync", "wide_deep-sync", "wide_deep-xla",
        "wide_deep_sgd-sync", "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync",
        "accum-xla", "accum_sgd-sync", "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn",
-       "bn_mlp_synced-sync"]
+       "bn_mlp_synced-sync", "stopping-sync"]
 THREE = ["transformer-sync", "rnn-sync", "two_io-sync", "wide_deep-sync", "wide_deep_sgd-sync",
          "mp_cnn-sync", "mp_mlp-sync", "accum-sync", "accum_sgd-sync", "bn_mlp-sync",
-         "bn_mlp-sbn", "bn_mlp_synced-sync"]
+         "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync"]
 
 
 def train(tmp_path_factory, ranks, entries):
@@ -142,6 +142,26 @@ def test_sync_training_equals_one_process(jobs, entry, ranks):
     # exact (bn_mlp: ranks without rows in the last batch of every epoch); compile with
     # jit_compile=True is compared with one process compiled so too.
     assert_equals_one_process(jobs, entry, ranks, reference_entry(entry), STATE)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_callbacks_on_validation_metrics_act_as_in_one_process(jobs, ranks):
+    # ReduceLROnPlateau and EarlyStopping(restore_best_weights=True) read val_loss, which
+    # every rank computes from the sum over ranks of the metric's state (the last validation
+    # batch split unevenly): every rank lowers the learning rate at one process's epochs,
+    # stops after as many epochs and restores the same epoch's weights.
+    reference = load(jobs(1), "stopping-sync")
+    epochs, rates = len(reference["loss"]), list(reference["learning_rates"])
+    assert rates[-1] < rates[0], f"ReduceLROnPlateau never acted: {rates}"
+    assert epochs < 40, "EarlyStopping never stopped training"
+    assert reference["best_epoch"] < epochs - 1, "the restored weights are the last epoch's"
+    for rank in range(ranks):
+        result = load(jobs(ranks), "stopping-sync", rank)
+        assert len(result["loss"]) == epochs, f"rank {rank}: {len(result['loss'])} epochs"
+        assert list(result["learning_rates"]) == rates, f"rank {rank}"
+        assert result["best_epoch"] == reference["best_epoch"], f"rank {rank}"
+    assert_equals_one_process(jobs, "stopping-sync", ranks, "stopping-sync",
+                              STATE + ["val_loss"])
 
 
 @pytest.mark.parametrize("name,ranks", [("mp_cnn", 2), ("mp_cnn", 3), ("mp_mlp", 2),

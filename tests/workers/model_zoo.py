@@ -20,6 +20,10 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
   accum        the MLP with Adam(gradient_accumulation_steps=2); the last global batch has one
                row, so a rank's last micro-batch is empty; accum_sgd the same with SGD
   two_io       two inputs, two outputs, per-output losses and loss_weights, sample_weight
+  stopping     the MLP with Adam on few rows with noisy labels, validated every epoch
+               (validation_data, uneven last batches), with ReduceLROnPlateau and
+               EarlyStopping(restore_best_weights=True) on val_loss, the metric every rank
+               sees
   bn_mlp       Dense + BatchNormalization (Conv2D refuses empty batches), the first BN layer
                ("input_norm") on the input features, SGD with momentum: 65 rows at a global
                batch of 16, so the last batch of every epoch has one row and P-1 ranks none;
@@ -47,10 +51,11 @@ by metric name), ``predict_<output>`` (model.predict: every rank's rows, gathere
 ``own_<output>`` (this rank's model called on the same inputs in global batches, no
 communication), ``plan`` and ``plan_reason`` (P > 1, where the algorithm has a per-layer
 plan: per row of strategy.plan(), "<variable> <protocol>" and the reason of the choice),
-``repeated_ids`` (wide_deep: per global batch, lookups minus distinct ids) and, for the
-sync-mode variants, ``export_<output>`` (the exported SavedModel's serving
-signature run on the predict inputs; rank 0, which writes it). An entry that raises writes
-OUT/<entry>_rank<r>.error with the traceback instead.
+``repeated_ids`` (wide_deep: per global batch, lookups minus distinct ids), ``val_loss``,
+``learning_rates`` and ``best_epoch`` (stopping: per epoch run, and the epoch whose weights
+EarlyStopping restored) and, for the sync-mode variants, ``export_<output>`` (the exported
+SavedModel's serving signature run on the predict inputs; rank 0, which writes it). An entry
+that raises writes OUT/<entry>_rank<r>.error with the traceback instead.
 """
 
 import os
@@ -124,6 +129,22 @@ def mlp_data():
     x = rng.normal(size=(289, 10)).astype("float32")
     y = (x[:, :3].sum(1) > 0).astype("int32")
     return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 32, "epochs": 1}
+
+
+def stopping_data():
+    rng = np.random.default_rng(8)
+    # 91 training rows at a global batch of 16 (the last batch of 11 rows), 30% of their labels
+    # flipped, so the model soon overfits and val_loss turns; 45 clean validation rows (the
+    # last batch of 13).
+    x = rng.normal(size=(136, 10)).astype("float32")
+    y = (x[:, :3].sum(1) > 0).astype("int32")
+    flipped = (rng.uniform(size=136) < 0.3) & (np.arange(136) < 91)
+    y = np.where(flipped, 1 - y, y).astype("int32")
+    return {"x": x[:91], "y": y[:91], "x_test": x[91:], "y_test": y[91:], "batch": 16,
+            "epochs": 40, "callbacks": lambda: [
+                keras.callbacks.ReduceLROnPlateau("val_loss", factor=0.5, patience=1),
+                keras.callbacks.EarlyStopping("val_loss", min_delta=1e-3, patience=3,
+                                              restore_best_weights=True)]}
 
 
 def bn_rows():
@@ -294,6 +315,7 @@ MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
           "accum_sgd": (lambda: mlp(keras.optimizers.SGD(0.1, momentum=0.9,
                                                          gradient_accumulation_steps=2)),
                         mlp_data),
+          "stopping": (lambda: mlp(keras.optimizers.Adam(0.01)), stopping_data),
           "two_io": (two_io, two_io_data), "bn_mlp": (bn_mlp, bn_rows),
           "bn_mlp_synced": (lambda: bn_mlp(synchronized=True), bn_rows)}
 
@@ -405,6 +427,17 @@ class Snapshot(keras.callbacks.Callback):
             self.weights = weights_of(self.model, self.strategy)
 
 
+class LearningRates(keras.callbacks.Callback):
+    """The optimizer's learning rate at the end of every epoch (after ReduceLROnPlateau)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
 def plan_of(strategy) -> dict:
     """strategy.plan()'s rows, each as text; {} where it has none (no per-layer choice)."""
     plan = strategy.plan()
@@ -432,9 +465,13 @@ def run(entry: str, out: str) -> None:
     fit_args = {k: data[k] for k in ("class_weight", "sample_weight") if k in data}
     initial = model.evaluate(data["x_test"], data["y_test"], batch_size=data["batch"],
                              verbose=0, return_dict=True)
-    snapshot = Snapshot(strategy)
+    snapshot, rates = Snapshot(strategy), LearningRates()
+    extra = data["callbacks"]() if "callbacks" in data else []
+    if extra:
+        fit_args["validation_data"] = (data["x_test"], data["y_test"])
     history = model.fit(data["x"], data["y"], batch_size=data["batch"], shuffle=False,
-                        verbose=0, callbacks=[snapshot], **schedule, **fit_args)
+                        verbose=0, callbacks=[snapshot, rates, *extra], **schedule,
+                        **fit_args)
     evaluation = model.evaluate(data["x_test"], data["y_test"], batch_size=data["batch"],
                                 verbose=0, return_dict=True)
     output_names = list(model.output_names)
@@ -445,6 +482,10 @@ def run(entry: str, out: str) -> None:
                  loss=history.history["loss"],
                  evaluation=[evaluation[k] for k in sorted(evaluation)],
                  initial_evaluation=[initial[k] for k in sorted(initial)])
+    if extra:
+        stopping = next(c for c in extra if isinstance(c, keras.callbacks.EarlyStopping))
+        saved.update(val_loss=history.history["val_loss"], learning_rates=rates.rates,
+                     best_epoch=stopping.best_epoch)
     if any(layer.name == "input_norm" for layer in model.layers):
         saved["input_norm_moving_mean"] = model.get_layer("input_norm").moving_mean.numpy()
     if snapshot.weights is not None:  # trained for at least SHORT_STEPS steps
