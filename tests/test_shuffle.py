@@ -1,9 +1,11 @@
-"""fit(shuffle=True) on arrays: every rank slices the same permutation, so across ranks every
-sample is trained on exactly once per epoch; permutations differ between epochs and repeat for
-runs seeded alike by rank 0 (keras.utils.set_random_seed).
+"""Shuffled input: every rank slices the same global batches, so across ranks every sample is
+trained on exactly once per epoch; orders differ between epochs and repeat for runs seeded
+alike by rank 0 (keras.utils.set_random_seed).
 
-Real jobs at P=2 and P=3 (tests/workers/shuffle_ids.py) record the sample ids each rank's train
-step receives.
+Two shufflers: ``fit(x, y, shuffle=True)`` on arrays permutes the samples; ``fit(py_dataset)``
+(a keras.utils.PyDataset, shuffled by default) permutes its batches, served by the generator
+or, with ``workers=2``, by Keras' enqueuer. Real jobs at P=2 and P=3
+(tests/workers/shuffle_ids.py) record the sample ids each rank's train step receives.
 """
 
 import json
@@ -14,6 +16,8 @@ from multirank import check, run_job
 
 SAMPLES = 96
 GLOBAL_BATCH = 16
+SOURCES = ("arrays", "pydataset", "pydataset_threads")
+FITS = ("unseeded", "seeded", "seeded_again", "seeded_next")
 
 
 def global_orders(out, ranks, fit):
@@ -32,24 +36,36 @@ def global_orders(out, ranks, fit):
     return orders
 
 
-@pytest.mark.multirank
-def test_every_rank_slices_the_same_permutation(tmp_path):
-    seeded = {}
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """World size -> the job's output directory."""
+    done = {}
     for ranks in (2, 3):
-        out = tmp_path / f"p{ranks}"
-        out.mkdir()
+        out = done[ranks] = tmp_path_factory.mktemp(f"shuffle_p{ranks}")
         check(run_job(ranks, "shuffle_ids.py", str(out))[0])
-        orders = {fit: global_orders(out, ranks, fit)
-                  for fit in ("unseeded", "seeded", "seeded_again", "seeded_next")}
+    return done
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_rank_slices_the_same_order(jobs, source):
+    seeded = {}
+    for ranks, out in jobs.items():
+        orders = {fit: global_orders(out, ranks, f"{source}/{fit}") for fit in FITS}
         for fit, epochs in orders.items():
             assert len(epochs) == 2
             for order in epochs:
                 # Disjoint across ranks and steps, and together the whole set.
                 assert sorted(order) == list(range(SAMPLES)), (ranks, fit)
                 assert order != list(range(SAMPLES)), (ranks, fit)
-            assert epochs[0] != epochs[1], (ranks, fit, "same permutation in both epochs")
+                if source != "arrays":
+                    # Every step's rows are one of the PyDataset's global batches, whole.
+                    steps = [order[i:i + GLOBAL_BATCH] for i in range(0, SAMPLES, GLOBAL_BATCH)]
+                    assert all(step == list(range(step[0], step[0] + GLOBAL_BATCH))
+                               for step in steps), (ranks, fit, steps)
+            assert epochs[0] != epochs[1], (ranks, fit, "same order in both epochs")
         assert orders["seeded"] == orders["seeded_again"], ranks
         assert orders["seeded_next"] != orders["seeded"], ranks
         seeded[ranks] = orders["seeded"]
-    # The permutation is rank 0's choice alone: the same global order whatever the world size.
+    # The order is rank 0's choice alone: the same global order whatever the world size.
     assert seeded[2] == seeded[3]

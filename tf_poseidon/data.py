@@ -10,9 +10,10 @@ sizes differ by at most one (a short last batch is split too), and every rank se
 number of batches, so epochs end on every rank together without any extra communication.
 
 Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline. Shuffle with a
-seed, or every rank slices a different permutation of the data. Keras' own shuffling of arrays
-(``fit(x, y, shuffle=True)``) is given seeds every rank agrees on: :func:`agreed_epoch_seeds`
-and :func:`tracing_seed`.
+seed, or every rank slices a different permutation of the data. Keras' own shuffling is given
+seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
+:func:`agreed_epoch_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s batches
+(``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`.
 
 ``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
 may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import secrets
 import sys
 from typing import Callable, Iterator
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import input_lib
@@ -192,24 +195,72 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     raise ValueError(f"tf_poseidon: {message}")
 
 
-def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:
-    """The graph-level seeds of a shuffled input's epochs, the same on every rank.
+def agreed_base_seed(broadcast_from_rank0: Callable[[int], int]) -> int:
+    """A seed every rank agrees on, for the epochs of one shuffled input (``fit``'s training
+    data): :func:`epoch_seed` derives each epoch's.
 
-    Every rank calls it once per shuffled input (``fit``'s training data), eagerly;
-    ``broadcast_from_rank0(value) -> rank 0's value`` is a collective, called once, now. Rank
-    0 chooses: with a global TensorFlow seed (``keras.utils.set_random_seed`` sets one) it
-    draws from TensorFlow's seeded sequence, as an unseeded random op would (every rank draws,
-    so ranks seeded alike stay alike), so identical runs shuffle identically and successive
-    ``fit`` calls differently; without one it takes fresh entropy. The returned iterator
-    yields one 31-bit seed per epoch, different for every epoch.
+    Every rank calls it once per shuffled input, eagerly; ``broadcast_from_rank0(value) ->
+    rank 0's value`` is a collective, called once, now. Rank 0 chooses: with a global
+    TensorFlow seed (``keras.utils.set_random_seed`` sets one) it draws from TensorFlow's
+    seeded sequence, as an unseeded random op would (every rank draws, so ranks seeded alike
+    stay alike), so identical runs shuffle identically and successive ``fit`` calls
+    differently; without one it takes fresh entropy.
     """
     if context.global_seed() is not None:
         draw = context.internal_operation_seed()
     else:
         draw = secrets.randbits(31)
-    base = broadcast_from_rank0(draw)
-    return (int(np.random.SeedSequence([base, epoch]).generate_state(1)[0]) & 0x7FFFFFFF
-            for epoch in itertools.count())
+    return broadcast_from_rank0(draw)
+
+
+def epoch_seed(base: int, epoch: int) -> int:
+    """The 31-bit seed of epoch ``epoch`` of an input whose :func:`agreed_base_seed` is
+    ``base``: different for every epoch, the same on every rank."""
+    return int(np.random.SeedSequence([base, epoch]).generate_state(1)[0]) & 0x7FFFFFFF
+
+
+def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:
+    """:func:`epoch_seed` of epochs 0, 1, ... of a new :func:`agreed_base_seed` (a collective,
+    called now)."""
+    base = agreed_base_seed(broadcast_from_rank0)
+    return (epoch_seed(base, epoch) for epoch in itertools.count())
+
+
+class AgreedBatchOrder(keras.utils.PyDataset):
+    """A finite ``keras.utils.PyDataset`` whose batches are served in an order every rank
+    agrees on, a new one for every pass over them.
+
+    Keras shuffles a PyDataset's batches with Python's global ``random`` module, whose state is
+    each process's own: the ranks would take their slices of different global batches at the
+    same step. This wrapper takes over that shuffle (Keras' own is turned off): each pass
+    starts with :meth:`begin_pass`, which permutes the batch indices with
+    ``epoch_seed(base_seed, pass)``. ``batches`` is the user's PyDataset, left unchanged.
+    """
+
+    def __init__(self, batches: keras.utils.PyDataset, base_seed: int):
+        super().__init__(workers=batches.workers, use_multiprocessing=batches.use_multiprocessing,
+                         max_queue_size=batches.max_queue_size)
+        self.batches, self.base_seed, self.passes = batches, base_seed, 0
+        self.order = list(range(batches.num_batches))
+
+    def begin_pass(self) -> None:
+        """Draws the next pass's order. Called before the pass fetches a batch (by the thread
+        that starts it); not while another pass fetches."""
+        self.order = list(range(self.batches.num_batches))
+        random.Random(epoch_seed(self.base_seed, self.passes)).shuffle(self.order)
+        self.passes += 1
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int):
+        return self.batches[self.order[index]]
+
+    def on_epoch_begin(self) -> None:
+        self.batches.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self.batches.on_epoch_end()
 
 
 @contextlib.contextmanager

@@ -85,7 +85,13 @@ original unchanged:
   (``TFEpochIterator._get_iterator``) under a graph seed every rank agrees on (data.py:
   chosen by rank 0 when ``fit`` starts, different per epoch, reproducible with
   ``keras.utils.set_random_seed``), so every rank slices the same permutation and every sample
-  is trained on exactly once per epoch.
+  is trained on exactly once per epoch;
+* ``fit(py_dataset)`` (shuffled by default): Keras shuffles the batches' order with Python's
+  ``random``, each process's own, so at one step the ranks would slice different global
+  batches. ``TFEpochIterator.__init__`` turns that shuffle off and serves the batches through
+  ``data.AgreedBatchOrder``, whose order (seeded as the arrays' permutation) is drawn anew
+  whenever a pass over the batches starts: in ``PyDatasetAdapter._finite_generator``, or
+  ``OrderedEnqueuer._run`` where the PyDataset has workers.
 
 ``install`` is idempotent; strategy.py calls it with PoseidonStrategy when it is imported.
 """
@@ -94,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 import threading
 
 import tensorflow as tf
@@ -106,7 +113,7 @@ from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
-from keras.src.trainers.data_adapters import array_data_adapter
+from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
 
 from tf_poseidon import batchnorm
 from tf_poseidon import data as data_lib
@@ -425,9 +432,55 @@ def _epoch_iterator(original):
         extended = _poseidon_extended(distribute_strategy)
         if extended is not None:
             engine = extended.engine
+            adapter = self.data_adapter
             data_lib.check_same_input(
-                data_lib.describe_input(self.data_adapter),
+                data_lib.describe_input(adapter),
                 lambda d: engine.call(lambda comm: comm.allgather(d), label="input data"))
+            if (isinstance(adapter, py_dataset_adapter.PyDatasetAdapter)
+                    and adapter.py_dataset.num_batches is not None):
+                _agree_on_batch_order(adapter, engine)
+    return wrapper
+
+
+def _agree_on_batch_order(adapter, engine) -> None:
+    """A finite PyDataset's batches in the same order on every rank (module docstring):
+    collective (once, now) if the adapter shuffles."""
+    enqueuer = adapter.enqueuer
+    if enqueuer is not None:
+        enqueuer.tf_poseidon_passes = True
+    if not adapter.shuffle:
+        return
+    base = data_lib.agreed_base_seed(
+        lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
+    ordered = data_lib.AgreedBatchOrder(adapter.py_dataset, base)
+    adapter.shuffle, adapter.py_dataset = False, ordered
+    if enqueuer is not None:
+        enqueuer.shuffle, enqueuer.py_dataset = False, ordered
+
+
+def _begin_pass(original):
+    """For a PyDatasetAdapter's finite generator and an OrderedEnqueuer's run: each starts a
+    pass over the batches, so an AgreedBatchOrder draws the pass's order first."""
+    def wrapper(self, *args, **kwargs):
+        if isinstance(self.py_dataset, data_lib.AgreedBatchOrder):
+            self.py_dataset.begin_pass()
+        return original(self, *args, **kwargs)
+    return wrapper
+
+
+def _end_pass(original):
+    """For an OrderedEnqueuer's stop: Keras keeps the batches fetched but not taken for its
+    next run, which for a finite PyDataset starts a new pass from its first batch, so they
+    would be served again, out of turn (Keras' model build under a strategy takes one batch
+    and stops the enqueuer). A finite pass of a multi-rank fit drops them."""
+    def wrapper(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "tf_poseidon_passes", False):
+            while True:
+                try:
+                    self.ready_queue.get_nowait()
+                except queue.Empty:
+                    break
     return wrapper
 
 
@@ -472,4 +525,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
     _wrap(keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator)
     _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
+    _wrap(py_dataset_adapter.PyDatasetAdapter, "_finite_generator", _begin_pass)
+    _wrap(py_dataset_adapter.OrderedEnqueuer, "_run", _begin_pass)
+    _wrap(py_dataset_adapter.OrderedEnqueuer, "stop", _end_pass)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "_make_function", _make_function)

@@ -19,6 +19,8 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
                has one row (ranks without rows)
   accum        the MLP with Adam(gradient_accumulation_steps=2); the last global batch has one
                row, so a rank's last micro-batch is empty; accum_sgd the same with SGD
+  pydataset    the MLP with SGD and momentum fed by a keras.utils.PyDataset of global batches
+               (the last of one row: ranks without rows), not by arrays
   two_io       two inputs, two outputs, per-output losses and loss_weights, sample_weight
   stopping     the MLP with Adam on few rows with noisy labels, validated every epoch
                (validation_data, uneven last batches), with ReduceLROnPlateau and
@@ -129,6 +131,26 @@ def mlp_data():
     x = rng.normal(size=(289, 10)).astype("float32")
     y = (x[:, :3].sum(1) > 0).astype("int32")
     return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 32, "epochs": 1}
+
+
+class GlobalBatches(keras.utils.PyDataset):
+    """``(x, y)`` in global batches of ``batch`` rows, in order, as a user's PyDataset serves
+    them to every rank."""
+
+    def __init__(self, x, y, batch: int):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[rows], self.y[rows]
+
+
+def pydataset_data():
+    return mlp_data() | {"pydataset": True}
 
 
 def stopping_data():
@@ -316,6 +338,7 @@ MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
                                                          gradient_accumulation_steps=2)),
                         mlp_data),
           "stopping": (lambda: mlp(keras.optimizers.Adam(0.01)), stopping_data),
+          "pydataset": (lambda: mlp(keras.optimizers.SGD(0.1, momentum=0.9)), pydataset_data),
           "two_io": (two_io, two_io_data), "bn_mlp": (bn_mlp, bn_rows),
           "bn_mlp_synced": (lambda: bn_mlp(synchronized=True), bn_rows)}
 
@@ -469,9 +492,11 @@ def run(entry: str, out: str) -> None:
     extra = data["callbacks"]() if "callbacks" in data else []
     if extra:
         fit_args["validation_data"] = (data["x_test"], data["y_test"])
-    history = model.fit(data["x"], data["y"], batch_size=data["batch"], shuffle=False,
-                        verbose=0, callbacks=[snapshot, rates, *extra], **schedule,
-                        **fit_args)
+    inputs = ({"x": GlobalBatches(data["x"], data["y"], data["batch"])}
+              if data.get("pydataset") else
+              {"x": data["x"], "y": data["y"], "batch_size": data["batch"]})
+    history = model.fit(**inputs, shuffle=False, verbose=0,
+                        callbacks=[snapshot, rates, *extra], **schedule, **fit_args)
     evaluation = model.evaluate(data["x_test"], data["y_test"], batch_size=data["batch"],
                                 verbose=0, return_dict=True)
     output_names = list(model.output_names)

@@ -2,10 +2,13 @@
 
     shuffle_ids.py OUT
 
-Trains a tiny model with ``fit(x, y, shuffle=True)`` (eagerly, so each step can record the ids
-in its batch) three times: unseeded, then twice after ``keras.utils.set_random_seed`` (rank 0's
-seed decides; the other ranks seed differently on purpose). Writes OUT/rank<r>.json: per fit,
-per epoch, the list of this rank's per-step id lists.
+Trains a tiny model (eagerly, so each step can record the ids in its batch) on each source:
+``arrays`` (``fit(x, y, shuffle=True)``), ``pydataset`` (``fit(py_dataset)`` of global batches,
+shuffled by default) and ``pydataset_threads`` (the same PyDataset with 2 workers: Keras'
+enqueuer), each four times: unseeded, twice after ``keras.utils.set_random_seed`` (rank 0's
+seed decides; the other ranks seed differently on purpose, Python's ``random`` included), and
+once more. Writes OUT/rank<r>.json: per source and fit (``<source>/<fit>``), per epoch, the
+list of this rank's per-step id lists.
 """
 
 import json
@@ -46,25 +49,44 @@ class NewEpoch(keras.callbacks.Callback):
         self.model.epochs.append([])
 
 
-def fit_once(strategy) -> list:
+class GlobalBatches(keras.utils.PyDataset):
+    """``(x, y)`` in global batches of GLOBAL_BATCH rows."""
+
+    def __init__(self, x, y, workers: int):
+        super().__init__(workers=workers)
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // GLOBAL_BATCH
+
+    def __getitem__(self, index):
+        rows = slice(index * GLOBAL_BATCH, (index + 1) * GLOBAL_BATCH)
+        return self.x[rows], self.y[rows]
+
+
+def fit_once(strategy, source: str) -> list:
     x = np.stack([np.arange(SAMPLES), np.ones(SAMPLES)], axis=1).astype("float32")
     y = np.zeros((SAMPLES, 1), "float32")
     with strategy.scope():
         model = Recorder()
         model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=True, verbose=0,
-              callbacks=[NewEpoch()])
+    inputs = ({"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
+              if source == "arrays" else
+              {"x": GlobalBatches(x, y, workers=2 if source == "pydataset_threads" else 1)})
+    model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=[NewEpoch()])
     return model.epochs
 
 
 def main(out: str) -> None:
     # sfb="never": SFB's capture of Dense layers fails in eagerly run steps (a separate bug).
     strategy = tp.PoseidonStrategy(sfb="never")
-    fits = {"unseeded": fit_once(strategy)}
-    for name in ("seeded", "seeded_again"):
-        keras.utils.set_random_seed(7 + 1000 * tp.rank())
-        fits[name] = fit_once(strategy)
-    fits["seeded_next"] = fit_once(strategy)
+    fits = {}
+    for source in ("arrays", "pydataset", "pydataset_threads"):
+        fits[f"{source}/unseeded"] = fit_once(strategy, source)
+        for name in ("seeded", "seeded_again"):
+            keras.utils.set_random_seed(7 + 1000 * tp.rank())
+            fits[f"{source}/{name}"] = fit_once(strategy, source)
+        fits[f"{source}/seeded_next"] = fit_once(strategy, source)
     with open(os.path.join(out, f"rank{tp.rank()}.json"), "w") as f:
         json.dump(fits, f)
 
