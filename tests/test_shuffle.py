@@ -6,9 +6,14 @@ Two shufflers: ``fit(x, y, shuffle=True)`` on arrays permutes the samples; ``fit
 (a keras.utils.PyDataset, shuffled by default) permutes its batches, served by the generator
 or, with ``workers=2``, by Keras' enqueuer. Real jobs at P=2 and P=3
 (tests/workers/shuffle_ids.py) record the sample ids each rank's train step receives.
+
+A tf.data pipeline shuffles itself: seeded alike on every rank it trains like the others; fit
+refuses one that shuffles without a seed, or with seeds that differ between the ranks, on
+every rank with a message (tests/workers/dataset_shuffle.py).
 """
 
 import json
+import re
 
 import pytest
 
@@ -69,3 +74,30 @@ def test_every_rank_slices_the_same_order(jobs, source):
         seeded[ranks] = orders["seeded"]
     # The order is rank 0's choice alone: the same global order whatever the world size.
     assert seeded[2] == seeded[3]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario", ["seeded", "op_seed"])
+def test_a_dataset_seeded_alike_gives_every_rank_the_same_order(tmp_path, scenario):
+    check(run_job(2, "dataset_shuffle.py", str(tmp_path), scenario)[0])
+    epochs = global_orders(tmp_path, 2, scenario)
+    assert len(epochs) == 2 and epochs[0] != epochs[1]
+    for order in epochs:
+        assert sorted(order) == list(range(SAMPLES)) and order != list(range(SAMPLES))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scenario, message", [
+    ("unseeded", r"^tf_poseidon: the input pipeline shuffles without a seed .* Pass a seed "
+                 r"\(dataset\.shuffle\(n, seed=\.\.\.\)\), or call "
+                 r"keras\.utils\.set_random_seed"),
+    ("different", r"^tf_poseidon: the ranks were given different data \(rank 0: [^;]*, "
+                  r"shuffled with seeds \[\(5, \d+\)\]; rank 1: [^;]*, shuffled with seeds "
+                  r"\[\(6, \d+\)\]\)\..*shuffled with the same seed")])
+def test_a_dataset_that_would_shuffle_differently_on_each_rank_is_refused(tmp_path, scenario,
+                                                                           message):
+    check(run_job(2, "dataset_shuffle.py", str(tmp_path), scenario)[0])
+    for rank in range(2):
+        assert not (tmp_path / f"rank{rank}.json").exists(), "fit trained"
+        error = (tmp_path / f"rank{rank}.error").read_text()
+        assert re.search(message, error, re.S), error

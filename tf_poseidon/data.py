@@ -9,8 +9,9 @@ so concatenating the ranks' outputs gives back the input order (what ``predict``
 sizes differ by at most one (a short last batch is split too), and every rank sees the same
 number of batches, so epochs end on every rank together without any extra communication.
 
-Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline. Shuffle with a
-seed, or every rank slices a different permutation of the data. Keras' own shuffling is given
+Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, so a pipeline
+that shuffles must shuffle alike on every rank: :func:`check_same_input` refuses one whose
+shuffles have no seed or seeds that differ between the ranks. Keras' own shuffling is given
 seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
 :func:`agreed_epoch_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s batches
 (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`.
@@ -32,6 +33,7 @@ from typing import Callable, Iterator
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.data.ops import shuffle_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
@@ -149,46 +151,90 @@ def end_together(dataset: tf.data.Dataset,
     return dataset.take(shortest)
 
 
+def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
+    """The (seed, seed2) of every ``Dataset.shuffle`` in ``dataset``'s pipeline, from the
+    output back to the sources; None for a shuffle with neither its own seed nor a global one,
+    whose order TensorFlow draws afresh in every process. Follows the datasets' Python-side
+    inputs: a shuffle inside a function (``interleave``, ``flat_map``) is not seen."""
+    found, pending, seen = [], [dataset], set()
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, shuffle_op._ShuffleDataset):  # pylint: disable=protected-access
+            try:
+                seeds = tuple(int(s or 0) for s in (node._seed, node._seed2))
+            except TypeError:  # a symbolic seed (built in a tf.function): not known here
+                seeds = (-1, -1)
+            found.append(seeds if any(seeds) else None)
+        try:
+            pending.extend(node._inputs())  # pylint: disable=protected-access
+        except (AttributeError, NotImplementedError, TypeError):
+            pass
+    return found
+
+
 def describe_input(adapter) -> dict:
     """What a Keras data adapter says about its input (the same on every rank that was given the
     same global data): batches per epoch, batch size, the last batch's size (None where the
-    adapter does not know, as for a ``tf.data`` pipeline of unknown length)."""
+    adapter does not know, as for a ``tf.data`` pipeline of unknown length) and, for a
+    ``tf.data`` pipeline, its shuffles' seeds (:func:`shuffle_seeds`)."""
     def known(name):
         try:
             return getattr(adapter, name)
         except (NotImplementedError, AttributeError, TypeError, ValueError):
             return None
+    # A distributed dataset (RankLocalDataset) may be rank-local by design
+    # (distribute_datasets_from_function): only a global pipeline's shuffles must agree.
+    dataset = getattr(adapter, "_dataset", None)
     return {"batches": known("num_batches"), "batch_size": known("batch_size"),
-            "last_batch": known("partial_batch_size") or None}
+            "last_batch": known("partial_batch_size") or None,
+            "shuffles": shuffle_seeds(dataset) if isinstance(dataset, tf.data.Dataset) else []}
 
 
 def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
-    """Raises ValueError on every rank if the ranks were given different inputs.
+    """Raises ValueError on every rank if the ranks were given different inputs, or an input
+    that shuffles without a seed.
 
     ``gather(description) -> every rank's description`` is a collective (called once, now;
     once more when the inputs differ: every rank prints the error before any raises it, so
     that each rank's output has it before the first to raise aborts the job). ``fit``,
     ``evaluate`` and ``predict`` take the *global* data on every rank and split each batch
     themselves; data of different lengths would make the ranks run different numbers of
-    steps (or batches of different sizes) and fail later, far from the cause.
+    steps (or batches of different sizes) and fail later, far from the cause, and data in
+    different orders would silently train each step on slices of different global batches.
+    An unseeded shuffle is refused before the collective, alike on every rank (every rank
+    builds the same pipeline).
     """
+    if None in description["shuffles"]:
+        raise ValueError(
+            "tf_poseidon: the input pipeline shuffles without a seed (Dataset.shuffle with no "
+            "seed, and no global seed set): every rank would draw its own order and take its "
+            "slice of a different global batch at every step. Pass a seed "
+            "(dataset.shuffle(n, seed=...)), or call keras.utils.set_random_seed(...) with the "
+            "same seed on every rank before building the pipeline.")
     everyone = gather(description)
     if all(d == everyone[0] for d in everyone):
         return
     def said(rank, d):
         if d["batches"] is None:
-            return f"rank {rank}: a dataset of unknown length"
-        text = f"rank {rank}: {d['batches']} batches"
-        if d["batch_size"] is not None:
-            text += f" of {d['batch_size']}"
-            if d["last_batch"]:
-                text += f", the last of {d['last_batch']}"
+            text = f"rank {rank}: a dataset of unknown length"
+        else:
+            text = f"rank {rank}: {d['batches']} batches"
+            if d["batch_size"] is not None:
+                text += f" of {d['batch_size']}"
+                if d["last_batch"]:
+                    text += f", the last of {d['last_batch']}"
+        if any(other["shuffles"] != everyone[0]["shuffles"] for other in everyone):
+            text += f", shuffled with seeds {d['shuffles']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
     message = (f"the ranks were given different data ({sides}). fit, evaluate and predict "
                "take the same global data on every rank and give each rank its share of every "
-               "batch: pass the same arrays or dataset to every rank; to give each rank data "
-               "of its own, use strategy.distribute_datasets_from_function.")
+               "batch: pass the same arrays or dataset to every rank, shuffled with the same "
+               "seed; to give each rank data of its own, use "
+               "strategy.distribute_datasets_from_function.")
     sys.stderr.write(f"[tf_poseidon rank {world.rank()}] ValueError: {message}\n")
     sys.stderr.flush()
     gather(description)

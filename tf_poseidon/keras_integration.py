@@ -77,8 +77,9 @@ original unchanged:
   order, which is input order (see data.py), so every rank returns predictions for the whole
   input;
 * ``TFEpochIterator.__init__`` (``fit``, ``evaluate``, ``predict``): the ranks check that they
-  were given the same global data (batches per epoch, batch size, last batch's size; one small
-  all-gather), or every rank raises saying what each got and what to do;
+  were given the same global data (batches per epoch, batch size, last batch's size, the seeds
+  of a ``tf.data`` pipeline's shuffles; one small all-gather), or every rank raises saying what
+  each got and what to do; a pipeline that shuffles without a seed is refused before that;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
