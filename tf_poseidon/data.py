@@ -154,8 +154,10 @@ def end_together(dataset: tf.data.Dataset,
 def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
     """The (seed, seed2) of every ``Dataset.shuffle`` in ``dataset``'s pipeline, from the
     output back to the sources; None for a shuffle with neither its own seed nor a global one,
-    whose order TensorFlow draws afresh in every process. Follows the datasets' Python-side
-    inputs: a shuffle inside a function (``interleave``, ``flat_map``) is not seen."""
+    whose order TensorFlow draws afresh in every process; (-1, -1) for a seed held in a
+    symbolic tensor (a pipeline built in a tf.function), which is not checked. Follows the
+    datasets' Python-side inputs: a shuffle inside a function (``interleave``, ``flat_map``)
+    is not seen."""
     found, pending, seen = [], [dataset], set()
     while pending:
         node = pending.pop()

@@ -451,7 +451,8 @@ class Snapshot(keras.callbacks.Callback):
 
 
 class LearningRates(keras.callbacks.Callback):
-    """The optimizer's learning rate at the end of every epoch (after ReduceLROnPlateau)."""
+    """The learning rate each epoch trained with, read at its end before the callbacks listed
+    after this one (ReduceLROnPlateau lowers it there for the next epoch)."""
 
     def __init__(self):
         super().__init__()
