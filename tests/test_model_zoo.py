@@ -33,16 +33,18 @@ ACCURACY_POINTS = 0.01
 ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "wide_deep-sync",
        "wide_deep-xla", "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3",
        "mp_mlp-sliced2", "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync",
-       "two_io-sync", "bn_mlp-sync", "stopping-sync", "pydataset-sync"]
+       "two_io-sync", "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager",
+       "two_io-eager"]
 TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16", "bn_cnn-ssp",
        "bn_cnn-easgd", "transformer-sync", "transformer-always", "transformer-fp16",
        "transformer-ssp", "transformer-easgd", "rnn-sync", "wide_deep-sync", "wide_deep-xla",
        "wide_deep_sgd-sync", "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync",
        "accum-xla", "accum_sgd-sync", "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn",
-       "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync"]
+       "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager"]
 THREE = ["transformer-sync", "rnn-sync", "two_io-sync", "wide_deep-sync", "wide_deep_sgd-sync",
          "mp_cnn-sync", "mp_mlp-sync", "accum-sync", "accum_sgd-sync", "bn_mlp-sync",
-         "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync"]
+         "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync",
+         "wide_deep-eager"]
 
 
 def train(tmp_path_factory, ranks, entries):
@@ -105,9 +107,11 @@ def outputs(saved, prefix):
 def reference_entry(entry: str) -> str:
     """The one-process entry ``entry`` is compared with: the plain model (sync_batchnorm, sfb
     and BatchNormalization(synchronized=True) change nothing in one process), compiled with
-    XLA where ``entry`` is."""
+    XLA or run eagerly where ``entry`` is (Keras itself weighs the per-output loss metrics of a
+    last, smaller batch differently in the two: by rows where the batch size is known)."""
     name, variant = entry.split("-")
-    return f"{name.removesuffix('_synced')}-{'xla' if variant.endswith('xla') else 'sync'}"
+    compiled = "xla" if variant.endswith("xla") else "eager" if variant == "eager" else "sync"
+    return f"{name.removesuffix('_synced')}-{compiled}"
 
 
 def assert_equals_one_process(jobs, entry, ranks, reference, keys):
@@ -133,14 +137,16 @@ EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
          ("wide_deep_sgd-sync", 3), ("accum-sync", 3), ("accum_sgd-sync", 3),
          ("bn_mlp-sbn", 3), ("bn_mlp_synced-sync", 3), ("pydataset-sync", 3)]
 XLA = [("wide_deep-xla", 2), ("accum-xla", 2), ("bn_cnn-sbnxla", 2)]
+EAGER = [("wide_deep-eager", 2), ("two_io-eager", 2), ("wide_deep-eager", 3)]
 STATE = ["trainable", "non_trainable", "optimizer", "loss", "evaluation"]
 
 
-@pytest.mark.parametrize("entry,ranks", EXACT + XLA)
+@pytest.mark.parametrize("entry,ranks", EXACT + XLA + EAGER)
 def test_sync_training_equals_one_process(jobs, entry, ranks):
     # sfb only changes how gradients travel and sync_batchnorm / synchronized=True make BN
     # exact (bn_mlp: ranks without rows in the last batch of every epoch); compile with
-    # jit_compile=True is compared with one process compiled so too.
+    # jit_compile=True or run_eagerly=True is compared with one process compiled so too
+    # (wide_deep-eager: ranks without rows in an eager step record no NaN loss).
     assert_equals_one_process(jobs, entry, ranks, reference_entry(entry), STATE)
 
 
@@ -263,6 +269,15 @@ def test_sfb_always_sends_the_2d_head_and_refuses_3d_dense(jobs):
     assert len(refused) == 2 and all(
         choice == "allreduce" and reason.startswith("input has 3 dimensions")
         for choice, reason in refused), rows
+
+
+def test_eager_steps_all_reduce_dense_kernels_saying_why(jobs):
+    # SFB's factors are captured while a step is traced; a step run eagerly all-reduces every
+    # Dense kernel, and the plan says why.
+    rows = plan_rows(load(jobs(2), "wide_deep-eager"))
+    dense = [row for kernel, row in rows.items() if kernel.startswith("dense")]
+    assert dense and all(row == ("allreduce", "the step runs eagerly (run_eagerly=True): "
+                                 "factors are captured in traced steps") for row in dense), rows
 
 
 @pytest.mark.parametrize("name", ["bn_cnn", "transformer"])

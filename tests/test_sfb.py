@@ -23,7 +23,7 @@ P2_RUNS = [
     "subclassed/never", "subclassed/always",
     "functional/always", "functional/never/fp16", "functional/always/fp16",
     "shared/always", "sequence/always/save",
-    "functional/auto/rows640/bw0.01",
+    "functional/auto/rows640/bw0.001",
     "functional/never/rows640", "functional/always/rows640/buckets10000/nooverlap",
 ]
 P3_RUNS = [
@@ -109,8 +109,10 @@ def test_plan_before_the_first_step_says_it_is_not_made_yet(p2):
 
 @pytest.mark.multirank
 def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
-    rows = rows_by_kernel(p2, "functional/auto/rows640/bw0.01")
-    # 640 rows: every step has 16 rows per rank, known when the step is traced.
+    rows = rows_by_kernel(p2, "functional/auto/rows640/bw0.001")
+    # 640 rows: every step has 16 rows per rank, known when the step is traced. At a given
+    # 1 Mbit/s the bytes outweigh the measured latency (two rounds of it in SFB's estimate)
+    # even on a loaded machine: hidden1's all-reduce is estimated at 246 ms, SFB at 119 ms.
     assert {r["local_batch"] for r in rows.values()} == {16}
     assert not any(r["batch_assumed"] for r in rows.values())
     hidden2 = rows["hidden2"]
@@ -120,7 +122,7 @@ def test_auto_with_a_given_bandwidth_weighs_bytes_and_times(p2):
     assert rows["hidden1"]["choice"] == "sfb"
     assert rows["logits"]["choice"] == "allreduce"  # 192x5: factors are bigger than W
     assert "more bytes" in rows["logits"]["reason"]
-    assert plan(p2, "functional/auto/rows640/bw0.01")["rates"]["source"] == "bandwidth given"
+    assert plan(p2, "functional/auto/rows640/bw0.001")["rates"]["source"] == "bandwidth given"
 
 
 @pytest.mark.multirank

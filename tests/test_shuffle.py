@@ -9,7 +9,7 @@ or, with ``workers=2``, by Keras' enqueuer. Real jobs at P=2 and P=3
 
 A tf.data pipeline shuffles itself: seeded alike on every rank it trains like the others; fit
 refuses one that shuffles without a seed, or with seeds that differ between the ranks, on
-every rank with a message (tests/workers/dataset_shuffle.py).
+every rank with a message (the same jobs, after the other sources).
 """
 
 import json
@@ -78,12 +78,12 @@ def test_every_rank_slices_the_same_order(jobs, source):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("scenario", ["seeded", "op_seed"])
-def test_a_dataset_seeded_alike_gives_every_rank_the_same_order(tmp_path, scenario):
-    check(run_job(2, "dataset_shuffle.py", str(tmp_path), scenario)[0])
-    epochs = global_orders(tmp_path, 2, scenario)
-    assert len(epochs) == 2 and epochs[0] != epochs[1]
-    for order in epochs:
-        assert sorted(order) == list(range(SAMPLES)) and order != list(range(SAMPLES))
+def test_a_dataset_seeded_alike_gives_every_rank_the_same_order(jobs, scenario):
+    for ranks, out in jobs.items():
+        epochs = global_orders(out, ranks, f"dataset/{scenario}")
+        assert len(epochs) == 2 and epochs[0] != epochs[1], ranks
+        for order in epochs:
+            assert sorted(order) == list(range(SAMPLES)) and order != list(range(SAMPLES))
 
 
 @pytest.mark.multirank
@@ -93,11 +93,12 @@ def test_a_dataset_seeded_alike_gives_every_rank_the_same_order(tmp_path, scenar
                  r"keras\.utils\.set_random_seed"),
     ("different", r"^tf_poseidon: the ranks were given different data \(rank 0: [^;]*, "
                   r"shuffled with seeds \[\(5, \d+\)\]; rank 1: [^;]*, shuffled with seeds "
-                  r"\[\(6, \d+\)\]\)\..*shuffled with the same seed")])
-def test_a_dataset_that_would_shuffle_differently_on_each_rank_is_refused(tmp_path, scenario,
+                  r"\[\(6, \d+\)\](; rank 2: [^;]*, shuffled with seeds \[\(7, \d+\)\])?\)\."
+                  r".*shuffled with the same seed")])
+def test_a_dataset_that_would_shuffle_differently_on_each_rank_is_refused(jobs, scenario,
                                                                            message):
-    check(run_job(2, "dataset_shuffle.py", str(tmp_path), scenario)[0])
-    for rank in range(2):
-        assert not (tmp_path / f"rank{rank}.json").exists(), "fit trained"
-        error = (tmp_path / f"rank{rank}.error").read_text()
-        assert re.search(message, error, re.S), error
+    for ranks, out in jobs.items():
+        for rank in range(ranks):
+            fit = json.loads((out / f"rank{rank}.json").read_text())[f"dataset/{scenario}"]
+            assert isinstance(fit, dict), (ranks, rank, "fit trained")
+            assert re.search(message, fit["error"], re.S), fit["error"]

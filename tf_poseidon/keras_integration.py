@@ -31,7 +31,9 @@ original unchanged:
 * ``CompileLoss.call``: the per-output loss metrics of a model with several outputs, which Keras
   records with weight 1 per batch of unknown size, are weighted by each rank's share of the
   global batch (one tiny all-reduce of the row counts per step), so evaluate and History show
-  one process's values also on an uneven batch;
+  one process's values also on an uneven batch; in a step run eagerly (``run_eagerly=True``),
+  where the batch size is known, a rank without rows records nothing and its loss is 0, as in
+  a traced step (Keras' loss of an empty batch is an empty tensor, a NaN in a Mean metric);
 * ``BatchNormalization._moments`` uses the global batch's statistics (batchnorm.global_moments)
   for layers built with ``synchronized=True`` and for every layer under
   ``PoseidonStrategy(sync_batchnorm=True)``;
@@ -234,8 +236,16 @@ def _compile_loss_call(original):
         extended = _poseidon_extended()
         context = tf.distribute.get_replica_context()
         first = next((t for t in tree.flatten(y_pred) if t is not None), None)
-        if (extended is None or context is None or not self.metrics or first is None
-                or first.shape[0] is not None):
+        if extended is None or context is None or first is None:
+            return original(self, y_true, y_pred, sample_weight)
+        if first.shape[0] == 0:
+            # A rank without rows whose batch size is known (a step run eagerly): Keras' loss
+            # of an empty batch is an empty tensor, which a Mean metric records as NaN even at
+            # weight 0. This rank records nothing and its loss is 0, as in a traced step.
+            with _weighted_updates(self.metrics, None):
+                total = original(self, y_true, y_pred, sample_weight)
+            return None if total is None else tf.reduce_sum(total)
+        if not self.metrics or first.shape[0] is not None:
             return original(self, y_true, y_pred, sample_weight)
         # Keras records each output's loss with weight 1 per batch when the batch dimension is
         # unknown (shape[0] is None), i.e. per *rank* here: each rank's record is weighted by
@@ -250,13 +260,16 @@ def _compile_loss_call(original):
 
 
 @contextlib.contextmanager
-def _weighted_updates(metrics, weight: tf.Tensor):
+def _weighted_updates(metrics, weight: tf.Tensor | None):
     """Within it, ``update_state`` of each of ``metrics`` called without a sample weight uses
-    ``weight`` (instance attributes shadowing the method, removed on exit)."""
+    ``weight``, and with ``weight`` None records nothing (instance attributes shadowing the
+    method, removed on exit)."""
     def weighted(metric):
         update = type(metric).update_state
 
         def update_state(values, sample_weight=None):
+            if weight is None:
+                return None
             return update(metric, values,
                           sample_weight=weight if sample_weight is None else sample_weight)
         return update_state

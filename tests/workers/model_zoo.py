@@ -32,11 +32,11 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
                bn_mlp_synced the same built with BatchNormalization(synchronized=True)
 
 Variants: sync (mode="sync", sfb="auto"), sbn (sync + sync_batchnorm=True), always
-(sfb="always"), xla and sbnxla (sync and sbn with compile(jit_compile=True)), sliced2 and
-sliced3 (one process only: each global batch's gradient summed from the gradients of the row
-slices that 2 or 3 ranks take, see sliced_train_step), and, trained for the first 12 steps
-only, fp16 (compression="fp16"), ssp (mode="ssp", staleness 1) and
-easgd (mode="easgd", tau 2, alpha 0.9/P).
+(sfb="always"), eager (sync with compile(run_eagerly=True)), xla and sbnxla (sync and sbn
+with compile(jit_compile=True)), sliced2 and sliced3 (one process only: each global batch's
+gradient summed from the gradients of the row slices that 2 or 3 ranks take, see
+sliced_train_step), and, trained for the first 12 steps only, fp16 (compression="fp16"), ssp
+(mode="ssp", staleness 1) and easgd (mode="easgd", tau 2, alpha 0.9/P).
 
 Every rank seeds with 1000·rank + a fixed seed, so rank 0 seeds as a single process does and
 rank 0's initial values must reach the others. The Transformer's Dropout draws one mask for all
@@ -347,12 +347,13 @@ SHORT = ("fp16", "ssp", "easgd")
 SHORT_STEPS = 12
 JIT = ("xla", "sbnxla")
 SLICED = ("sliced2", "sliced3")
-EXPORTED = ("sync", "sbn", "always") + JIT + SLICED
+EXPORTED = ("sync", "sbn", "always", "eager") + JIT + SLICED
 
 
 def strategy_for(variant: str) -> tp.PoseidonStrategy:
     options = {"sync": {}, "sliced2": {}, "sliced3": {}, "sbn": {"sync_batchnorm": True},
-               "always": {"sfb": "always"}, "xla": {}, "sbnxla": {"sync_batchnorm": True},
+               "always": {"sfb": "always"}, "eager": {}, "xla": {},
+               "sbnxla": {"sync_batchnorm": True},
                "fp16": {"compression": "fp16"}, "ssp": {"mode": "ssp", "staleness": 1},
                "easgd": {"mode": "easgd", "tau": 2, "alpha": 0.9 / tp.size()}}[variant]
     # sync_batchnorm is passed only where asked for, so the other entries run without it.
@@ -483,6 +484,8 @@ def run(entry: str, out: str) -> None:
         model = build()
     if variant in JIT:
         model.jit_compile = True  # what compile(jit_compile=True) sets
+    if variant == "eager":
+        model.run_eagerly = True  # what compile(run_eagerly=True) sets
     if variant in SLICED:
         assert tp.size() == 1, "a one-process reference"
         model.train_step = sliced_train_step(model, int(variant[len("sliced"):]))

@@ -7,8 +7,12 @@ Trains a tiny model (eagerly, so each step can record the ids in its batch) on e
 shuffled by default) and ``pydataset_threads`` (the same PyDataset with 2 workers: Keras'
 enqueuer), each four times: unseeded, twice after ``keras.utils.set_random_seed`` (rank 0's
 seed decides; the other ranks seed differently on purpose, Python's ``random`` included), and
-once more. Writes OUT/rank<r>.json: per source and fit (``<source>/<fit>``), per epoch, the
-list of this rank's per-step id lists.
+once more. Then, with the global seed cleared again, a tf.data pipeline that shuffles
+(``dataset/<scenario>``): ``unseeded`` (no global seed, no op seed), ``op_seed`` (no global
+seed, ``shuffle(n, seed=3)``), ``different`` (``keras.utils.set_random_seed(5 + rank)``: the
+ranks' orders would differ) and ``seeded`` (``set_random_seed(5)`` on every rank, no op seed).
+Writes OUT/rank<r>.json: per source and fit (``<source>/<fit>``), per epoch, the list of this
+rank's per-step id lists; for a fit that raised, ``{"error": its message}``.
 """
 
 import json
@@ -19,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
 
@@ -64,22 +69,32 @@ class GlobalBatches(keras.utils.PyDataset):
         return self.x[rows], self.y[rows]
 
 
-def fit_once(strategy, source: str) -> list:
+def fit_once(strategy, source: str) -> list | dict:
+    """The ids of each step of each epoch of a fit on ``source``; a dataset's scenario
+    (``dataset/<scenario>``) that fit refuses gives ``{"error": message}``."""
     x = np.stack([np.arange(SAMPLES), np.ones(SAMPLES)], axis=1).astype("float32")
     y = np.zeros((SAMPLES, 1), "float32")
     with strategy.scope():
         model = Recorder()
         model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-    inputs = ({"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
-              if source == "arrays" else
-              {"x": GlobalBatches(x, y, workers=2 if source == "pydataset_threads" else 1)})
-    model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=[NewEpoch()])
+    if source.startswith("dataset/"):
+        inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            SAMPLES, seed=3 if source == "dataset/op_seed" else None).batch(GLOBAL_BATCH)}
+    else:
+        inputs = ({"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
+                  if source == "arrays" else
+                  {"x": GlobalBatches(x, y, workers=2 if source == "pydataset_threads" else 1)})
+    try:
+        model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=[NewEpoch()])
+    except ValueError as e:
+        if not source.startswith("dataset/"):
+            raise
+        return {"error": str(e)}
     return model.epochs
 
 
 def main(out: str) -> None:
-    # sfb="never": SFB's capture of Dense layers fails in eagerly run steps (a separate bug).
-    strategy = tp.PoseidonStrategy(sfb="never")
+    strategy = tp.PoseidonStrategy()
     fits = {}
     for source in ("arrays", "pydataset", "pydataset_threads"):
         fits[f"{source}/unseeded"] = fit_once(strategy, source)
@@ -87,6 +102,11 @@ def main(out: str) -> None:
             keras.utils.set_random_seed(7 + 1000 * tp.rank())
             fits[f"{source}/{name}"] = fit_once(strategy, source)
         fits[f"{source}/seeded_next"] = fit_once(strategy, source)
+    tf.random.set_seed(None)  # no global seed: a tf.data shuffle without an op seed is unseeded
+    for scenario in ("unseeded", "op_seed", "different", "seeded"):
+        if scenario in ("different", "seeded"):
+            keras.utils.set_random_seed(5 + (tp.rank() if scenario == "different" else 0))
+        fits[f"dataset/{scenario}"] = fit_once(strategy, f"dataset/{scenario}")
     with open(os.path.join(out, f"rank{tp.rank()}.json"), "w") as f:
         json.dump(fits, f)
 

@@ -12,7 +12,8 @@ attribute is restored when the last session on any thread ends), so saved and ex
 hold plain Keras layers.
 
 What is captured: a ``keras.layers.Dense`` (or subclass that reaches ``Dense.call``) whose input
-is a 2-D floating tensor of the layer's own dtype, neither quantized nor LoRA-enabled. Dense
+is a 2-D floating tensor of the layer's own dtype, neither quantized nor LoRA-enabled, called
+while a step is traced (a step compiled with ``run_eagerly=True`` all-reduces dW). Dense
 layers with inputs of more rank (sequences: K would be batch×time) are recorded as skipped, with
 the reason, for the plan.
 
@@ -186,6 +187,10 @@ def _kernel_name(layer) -> str:
 
 def _ineligible(layer, inputs) -> str | None:
     """Why ``layer``'s call on ``inputs`` cannot be captured (None: it can)."""
+    if tf.executing_eagerly():
+        # The factors replace dW only where TensorFlow can prune dW's MatMul from a graph;
+        # an eager step has computed it already (and tf.custom_gradient sees the kernel read).
+        return "the step runs eagerly (run_eagerly=True): factors are captured in traced steps"
     if getattr(layer, "quantization_mode", None) is not None:
         return f"quantized kernel ({layer.quantization_mode})"
     if getattr(layer, "lora_enabled", False):
