@@ -12,29 +12,48 @@ from multirank import check, run_job
 pytestmark = pytest.mark.multirank
 
 
-def train(tmp_path_factory, num_ranks, *args):
-    out = tmp_path_factory.mktemp("ssp")
-    check(run_job(num_ranks, "ssp_train.py", str(out), *args)[0])
-    return out
+FIT = "--mode ssp --staleness 2 --rows 1001 --straggle"
+RUNS = {  # world size -> run name -> ssp_train.py's arguments: one job per world size
+    2: {"sync": "--mode sync --staleness 0", "ssp0": "--mode ssp --staleness 0",
+        "fit": FIT, "fp16": f"{FIT} --compression fp16",
+        "bf16_sync": "--mode sync --staleness 0 --dtype bfloat16",
+        "bf16_ssp": f"{FIT} --dtype bfloat16", "ssp": "--mode ssp --staleness 2"},
+    3: {"fit": FIT, "loop": "--mode ssp --staleness 2 --rows 1001 --loop"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(world size, run name) -> the run's output directory, each world size's job run on
+    first use."""
+    done = {}
+
+    def get(num_ranks, name):
+        if num_ranks not in done:
+            root = tmp_path_factory.mktemp(f"ssp_p{num_ranks}")
+            for run in RUNS[num_ranks]:
+                (root / run).mkdir()
+            check(run_job(num_ranks, "ssp_train.py", *[
+                f"{root / run} {args}" for run, args in RUNS[num_ranks].items()])[0])
+            done[num_ranks] = root
+        return done[num_ranks] / name
+    return get
 
 
 def weights(out, rank):
     return np.load(out / f"rank{rank}.npz")["weights"]
 
 
-def test_staleness_zero_is_sync_mode(tmp_path_factory):
-    sync = train(tmp_path_factory, 2, "--mode", "sync", "--staleness", "0")
-    ssp0 = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "0")
+def test_staleness_zero_is_sync_mode(runs):
+    sync, ssp0 = runs(2, "sync"), runs(2, "ssp0")
     for rank in range(2):
         assert np.max(np.abs(weights(sync, rank) - weights(ssp0, rank))) <= 1e-6
 
 
 @pytest.mark.parametrize("num_ranks, how", [(2, "fit"), (3, "fit"), (3, "loop")])
-def test_replicas_agree_after_the_drain(tmp_path_factory, num_ranks, how):
+def test_replicas_agree_after_the_drain(runs, num_ranks, how):
     # 1001 rows, global batch 64: the last batch splits unevenly; rank 1 straggles in fit.
-    args = ["--mode", "ssp", "--staleness", "2", "--rows", "1001"]
-    args += ["--straggle"] if how == "fit" else ["--loop"]
-    out = train(tmp_path_factory, num_ranks, *args)
+    out = runs(num_ranks, how)
     reference = weights(out, 0)
     for rank in range(1, num_ranks):
         assert np.max(np.abs(weights(out, rank) - reference)) <= 1e-6
@@ -46,22 +65,20 @@ def test_replicas_agree_after_the_drain(tmp_path_factory, num_ranks, how):
         assert stats["blocked_on_bound_s"] >= 0
 
 
-def test_fp16_compressed_deltas_leave_the_replicas_agreeing(tmp_path_factory):
-    out = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "2", "--rows", "1001",
-                "--straggle", "--compression", "fp16")
+def test_fp16_compressed_deltas_leave_the_replicas_agreeing(runs):
+    out = runs(2, "fp16")
     assert np.max(np.abs(weights(out, 1) - weights(out, 0))) <= 1e-6
     for rank in range(2):
         stats = json.loads((out / f"stats_rank{rank}.json").read_text())
         assert sum(stats["staleness_histogram"].values()) == 2 * 16
 
 
-def test_bfloat16_variables_in_sync_and_ssp(tmp_path_factory):
+def test_bfloat16_variables_in_sync_and_ssp(runs):
     # The initial broadcast must carry bfloat16 (mpi4py takes no bfloat16 buffer), and SSP's
     # deltas of 16-bit variables travel in float32.
-    sync = train(tmp_path_factory, 2, "--mode", "sync", "--staleness", "0", "--dtype", "bfloat16")
+    sync = runs(2, "bf16_sync")
     np.testing.assert_array_equal(weights(sync, 1), weights(sync, 0))
-    ssp = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "2", "--rows", "1001",
-                "--straggle", "--dtype", "bfloat16")
+    ssp = runs(2, "bf16_ssp")
     reference = weights(ssp, 0)
     # Each rank rounds its own sequence of additions to bfloat16 (8 significant bits), so the
     # replicas agree to a few units in the last place of the largest weights, not to 1e-6.
@@ -80,7 +97,7 @@ def test_digits_with_staleness_two_is_within_two_percent_of_sync():
     assert abs(accuracy["ssp"] - accuracy["sync"]) <= 0.02, accuracy
 
 
-def test_epoch_logs_are_global_although_steps_are_not_synchronised(tmp_path_factory):
-    out = train(tmp_path_factory, 2, "--mode", "ssp", "--staleness", "2")
+def test_epoch_logs_are_global_although_steps_are_not_synchronised(runs):
+    out = runs(2, "ssp")
     losses = [np.load(out / f"rank{rank}.npz")["loss"] for rank in range(2)]
     assert np.array_equal(losses[0], losses[1])  # History: the global epoch loss, everywhere

@@ -1,18 +1,23 @@
-"""Worker for the SSP tests: one fit in the mode given, then what the tests compare.
+"""Worker for the SSP tests: fits in the modes given, one after another, and what the tests
+compare of each.
 
-    ssp_train.py OUT --mode sync|ssp --staleness S [--rows N] [--straggle] [--loop]
-                     [--compression none|fp16|bf16] [--dtype float32|bfloat16]
+    ssp_train.py RUN [RUN ...]
+    RUN: "OUT --mode sync|ssp --staleness S [--rows N] [--straggle] [--loop]
+          [--compression none|fp16|bf16] [--dtype float32|bfloat16]"  (one argument each)
 
-Writes OUT/rank<r>.npz (weights after fit, i.e. after its drain; loss history) and
-OUT/stats_rank<r>.json (strategy.stats()["mode"]). --straggle slows rank 1 in every other
-step so that the others run ahead (up to the bound). --loop trains with a custom loop instead
-of fit and drains explicitly with strategy.drain(). --dtype sets the Dense layers' dtype (and
-so their variables').
+Each run builds its model with the same seeds and its own strategy, and writes
+OUT/rank<r>.npz (weights after fit, i.e. after its drain; loss history) and
+OUT/stats_rank<r>.json (strategy.stats()["mode"]). --straggle slows rank 1 in every other step
+so that the others run ahead (up to the bound). --loop trains with a custom loop instead of fit
+and drains explicitly with strategy.drain(). --dtype sets the Dense layers' dtype (and so their
+variables').
 """
 
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -31,7 +36,7 @@ class Straggle(keras.callbacks.Callback):
             time.sleep(0.05)
 
 
-def main():
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mode", default="ssp")
@@ -41,7 +46,7 @@ def main():
     parser.add_argument("--loop", action="store_true")
     parser.add_argument("--compression", default="none")
     parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keras.utils.set_random_seed(11 + tp.rank())
     rng = np.random.default_rng(2)
     x = rng.normal(size=(args.rows, 20)).astype("float32")
@@ -77,4 +82,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    for run in sys.argv[1:]:
+        main(shlex.split(run))
