@@ -219,6 +219,8 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     everyone = gather(description)
     if all(d == everyone[0] for d in everyone):
         return
+    shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
+
     def said(rank, d):
         if d["batches"] is None:
             text = f"rank {rank}: a dataset of unknown length"
@@ -228,7 +230,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
                 text += f" of {d['batch_size']}"
                 if d["last_batch"]:
                     text += f", the last of {d['last_batch']}"
-        if any(other["shuffles"] != everyone[0]["shuffles"] for other in everyone):
+        if shuffles_differ:
             text += f", shuffled with seeds {d['shuffles']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))

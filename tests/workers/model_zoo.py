@@ -75,6 +75,7 @@ import tf_poseidon as tp  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 os.pardir, "examples"))
 import digits as digits_data  # noqa: E402  (examples/digits.py)
+from global_batches import GlobalBatches  # noqa: E402
 
 SEED = 17
 
@@ -131,22 +132,6 @@ def mlp_data():
     x = rng.normal(size=(289, 10)).astype("float32")
     y = (x[:, :3].sum(1) > 0).astype("int32")
     return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 32, "epochs": 1}
-
-
-class GlobalBatches(keras.utils.PyDataset):
-    """``(x, y)`` in global batches of ``batch`` rows, in order, as a user's PyDataset serves
-    them to every rank."""
-
-    def __init__(self, x, y, batch: int):
-        super().__init__()
-        self.x, self.y, self.batch = x, y, batch
-
-    def __len__(self):
-        return -(-len(self.x) // self.batch)
-
-    def __getitem__(self, index):
-        rows = slice(index * self.batch, (index + 1) * self.batch)
-        return self.x[rows], self.y[rows]
 
 
 def pydataset_data():

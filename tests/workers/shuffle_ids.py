@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_poseidon as tp  # noqa: E402
+from global_batches import GlobalBatches  # noqa: E402
 
 SAMPLES = 96
 GLOBAL_BATCH = 16
@@ -54,21 +55,6 @@ class NewEpoch(keras.callbacks.Callback):
         self.model.epochs.append([])
 
 
-class GlobalBatches(keras.utils.PyDataset):
-    """``(x, y)`` in global batches of GLOBAL_BATCH rows."""
-
-    def __init__(self, x, y, workers: int):
-        super().__init__(workers=workers)
-        self.x, self.y = x, y
-
-    def __len__(self):
-        return len(self.x) // GLOBAL_BATCH
-
-    def __getitem__(self, index):
-        rows = slice(index * GLOBAL_BATCH, (index + 1) * GLOBAL_BATCH)
-        return self.x[rows], self.y[rows]
-
-
 def fit_once(strategy, source: str) -> list | dict:
     """The ids of each step of each epoch of a fit on ``source``; a dataset's scenario
     (``dataset/<scenario>``) that fit refuses gives ``{"error": message}``."""
@@ -83,7 +69,8 @@ def fit_once(strategy, source: str) -> list | dict:
     else:
         inputs = ({"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
                   if source == "arrays" else
-                  {"x": GlobalBatches(x, y, workers=2 if source == "pydataset_threads" else 1)})
+                  {"x": GlobalBatches(x, y, GLOBAL_BATCH,
+                                     workers=2 if source == "pydataset_threads" else 1)})
     try:
         model.fit(**inputs, epochs=EPOCHS, verbose=0, callbacks=[NewEpoch()])
     except ValueError as e:
