@@ -191,6 +191,10 @@ OPEN_MPI_DEFAULTS: dict[str, str] = {
     # link's rate; without it, ob1 sends the same bytes as fragments in both directions at
     # once (docs/architecture.md, "MPI settings").
     "btl_tcp_flags": "send,inplace,need-ack,need-csum,hetero-rdma",
+    # A rank that aborts waits this many seconds first. When a peer dies, the surviving ranks'
+    # TCP transport may see its socket close and abort them before the launcher has reported
+    # which process died; the wait lets that report come first (docs/failures.md).
+    "opal_abort_delay": "2",
 }
 """Open MPI parameters tf_poseidon sets, each unless the user set it (as ``OMPI_MCA_<name>``, or
 with ``--mca`` on ``mpirun``, which reaches the ranks as the same variables):
