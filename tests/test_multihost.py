@@ -42,15 +42,15 @@ def test_two_hosts_train_like_one_process(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
     multi.mkdir()
     single.mkdir()
-    args = ["--configs", "mlp-sgd", "--rows", "965"]
+    args = "--configs mlp-sgd --rows 965"  # train_configs.py's run: "OUT ARGS"
     env = job_env()
     plain = subprocess.run([sys.executable, os.path.join(WORKERS, "train_configs.py"),
-                            str(single), *args], stdout=subprocess.PIPE,
+                            f"{single} {args}"], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, env=env, timeout=300, cwd=tmp_path)
     assert plain.returncode == 0, plain.stdout[-4000:]
     with EmulatedCluster(2, "1gbit") as cluster:
         # tmp_path is on the filesystem both namespaces share: each rank writes its own npz
-        done = cluster.run(launcher(cluster, "train_configs.py", str(multi), *args),
+        done = cluster.run(launcher(cluster, "train_configs.py", f"{multi} {args}"),
                            env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reference = np.load(single / "mlp-sgd_rank0.npz")

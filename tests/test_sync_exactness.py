@@ -1,8 +1,8 @@
 """Sync mode is exact: P ranks at global batch B give one process's weights at batch B.
 
 Real jobs: tests/workers/train_configs.py trains each configuration under tfposeidon-run with
-P = 2 and 3 and as a plain process, every rank seeded differently (so rank 0's initial values
-must reach the others). The data set size is not a multiple of B: the last global batch is
+P = 2 and 3 and as a plain process (one job per world size, its runs one after another),
+every rank seeded differently (so rank 0's initial values must reach the others). The data set size is not a multiple of B: the last global batch is
 short and split unevenly (or, at P=3 with a 1-row remainder, leaves two ranks with no rows).
 tests/workers/datapath_train.py trains with buckets packed on the host and on the device
 (comm/datapath.py), which must give the same bits.
@@ -18,14 +18,36 @@ from multirank import check, run_job
 pytestmark = pytest.mark.multirank
 
 FIT_CONFIGS = "mlp-sgd,mlp-adam,cnn-sgd,cnn-adam"
+LOOP_CONFIGS = {"distribute_dataset": ["mlp-sgd@loop", "cnn-adam@loop"],
+                "datasets_from_function": ["mlp-sgd@function", "cnn-adam@function"]}
+FIT = f"--configs {FIT_CONFIGS} --rows 965"
+# 961 = 16·60 + 1: at P=3 the last global batch gives ranks 0 and 1 no rows at all.
+NO_ROWS = "--configs mlp-sgd --rows 961"
+LOOPS = f"--configs {','.join(sum(LOOP_CONFIGS.values(), []))} --rows 965"
+RUNS = {  # world size (0: one plain process) -> run -> train_configs.py's arguments
+    0: {"fit": FIT, "no_rows": NO_ROWS, "loops": LOOPS},
+    2: {"fit": FIT, "autotune": f"{FIT} --strategy '{json.dumps({'autotune': True})}'"},
+    3: {"fit": FIT, "no_rows": NO_ROWS, "loops": LOOPS},
+}
 TOLERANCE = 1e-5
 
 
-def train(tmp_path_factory, num_ranks, *args):
-    out = tmp_path_factory.mktemp(f"p{num_ranks}")
-    result, _ = run_job(num_ranks, "train_configs.py", str(out), *args)
-    check(result)
-    return out
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(world size, run) -> the directory of that run; one job per world size, started
+    the first time one of its runs is asked for."""
+    done = {}
+
+    def get(num_ranks, name):
+        if num_ranks not in done:
+            root = tmp_path_factory.mktemp(f"p{num_ranks}")
+            for run in RUNS[num_ranks]:
+                (root / run).mkdir()
+            check(run_job(num_ranks, "train_configs.py", *[
+                f"{root / run} {args}" for run, args in RUNS[num_ranks].items()])[0])
+            done[num_ranks] = root
+        return done[num_ranks] / name
+    return get
 
 
 def load(out, config, rank):
@@ -38,16 +60,11 @@ def assert_same(reference, other, keys):
         assert difference <= TOLERANCE, f"{key}: max |difference| {difference:.3g}"
 
 
-@pytest.fixture(scope="module")
-def fit_single(tmp_path_factory):
-    return train(tmp_path_factory, 0, "--configs", FIT_CONFIGS, "--rows", "965")
-
-
 @pytest.mark.parametrize("num_ranks", [2, 3])
-def test_fit_matches_one_process(tmp_path_factory, fit_single, num_ranks):
-    out = train(tmp_path_factory, num_ranks, "--configs", FIT_CONFIGS, "--rows", "965")
+def test_fit_matches_one_process(runs, num_ranks):
+    out = runs(num_ranks, "fit")
     for config in FIT_CONFIGS.split(","):
-        reference = load(fit_single, config, 0)
+        reference = load(runs(0, "fit"), config, 0)
         assert len(reference["loss"]) == 2  # 2 epochs of 17 steps: 34 steps
         for rank in range(num_ranks):
             # Weights and optimizer state; the global loss/accuracy every rank's History holds;
@@ -57,16 +74,12 @@ def test_fit_matches_one_process(tmp_path_factory, fit_single, num_ranks):
                          "predictions"])
 
 
-def test_fit_with_autotune_matches_one_process(tmp_path_factory, fit_single):
+def test_fit_with_autotune_matches_one_process(runs):
     # The trials (overlap on and off) take the first 8 of each model's 34 steps; the sums are
     # the same whichever setting runs a step.
-    out = tmp_path_factory.mktemp("autotune")
-    result, _ = run_job(2, "train_configs.py", str(out), "--configs", FIT_CONFIGS, "--rows", "965",
-                        "--strategy", json.dumps({"autotune": True}))
-    stats = [json.loads(line.split(" mode stats ", 1)[1])
-             for line in check(result).splitlines() if " mode stats " in line]
-    assert len(stats) == 2
-    for mode in stats:
+    out = runs(2, "autotune")
+    for rank in range(2):
+        mode = json.loads((out / f"stats_rank{rank}.json").read_text())
         assert len(mode["autotune"]) == 2  # one bucket layout per model (MLP, CNN)
         for trials in mode["autotune"]:
             assert trials["state"] == "chosen", trials
@@ -74,37 +87,24 @@ def test_fit_with_autotune_matches_one_process(tmp_path_factory, fit_single):
                 "overlap on, codec none", "overlap off, codec none"}
     for config in FIT_CONFIGS.split(","):
         for rank in range(2):
-            assert_same(load(fit_single, config, 0), load(out, config, rank),
+            assert_same(load(runs(0, "fit"), config, 0), load(out, config, rank),
                         ["weights", "optimizer", "loss", "accuracy", "evaluation",
                          "predictions"])
 
 
-def test_fit_with_ranks_left_without_rows(tmp_path_factory):
-    # 961 = 16·60 + 1: at P=3 the last global batch gives ranks 0 and 1 no rows at all.
-    single = train(tmp_path_factory, 0, "--configs", "mlp-sgd", "--rows", "961")
-    three = train(tmp_path_factory, 3, "--configs", "mlp-sgd", "--rows", "961")
+def test_fit_with_ranks_left_without_rows(runs):
     for rank in range(3):
-        assert_same(load(single, "mlp-sgd", 0), load(three, "mlp-sgd", rank),
+        assert_same(load(runs(0, "no_rows"), "mlp-sgd", 0),
+                    load(runs(3, "no_rows"), "mlp-sgd", rank),
                     ["weights", "loss", "accuracy", "predictions"])
 
 
-LOOP_CONFIGS = {"distribute_dataset": ["mlp-sgd@loop", "cnn-adam@loop"],
-                "datasets_from_function": ["mlp-sgd@function", "cnn-adam@function"]}
-
-
-@pytest.fixture(scope="module")
-def custom_loops(tmp_path_factory):
-    """World size (0: one plain process) -> the output of one job running every custom loop."""
-    args = ["--configs", ",".join(sum(LOOP_CONFIGS.values(), [])), "--rows", "965"]
-    return {ranks: train(tmp_path_factory, ranks, *args) for ranks in (0, 3)}
-
-
 @pytest.mark.parametrize("source", list(LOOP_CONFIGS))
-def test_custom_loop_matches_one_process(custom_loops, source):
+def test_custom_loop_matches_one_process(runs, source):
     for config in LOOP_CONFIGS[source]:
         for rank in range(3):
             # strategy.run + GradientTape + apply_gradients; strategy.reduce of the loss.
-            assert_same(load(custom_loops[0], config, 0), load(custom_loops[3], config, rank),
+            assert_same(load(runs(0, "loops"), config, 0), load(runs(3, "loops"), config, rank),
                         ["weights", "loss"])
 
 

@@ -1,15 +1,21 @@
 """Worker for the exactness tests: trains several small models, saves what the tests compare.
 
-Run under mpirun (or alone). Every rank seeds with its own rank, so rank 0's initial values
-must reach the others for them to train in lockstep. A configuration is MODEL-OPTIMIZER
-(``mlp-sgd``: Keras fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
+    train_configs.py RUN [RUN ...]
+    RUN: "OUT [--configs C,C,...] [--rows N] [--epochs E] [--strategy JSON]" (one argument each)
+
+Run under mpirun (or alone). Each run seeds every rank with its own rank, so rank 0's initial
+values must reach the others for them to train in lockstep, and has its own strategy
+(``tp.PoseidonStrategy(**JSON)``). A configuration is MODEL-OPTIMIZER (``mlp-sgd``: Keras
+fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
 ``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. Writes, on every
-rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions.
+rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions, and
+OUT/stats_rank<r>.json (strategy.stats()["mode"]).
 """
 
 import argparse
 import json
 import os
+import shlex
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -97,14 +103,14 @@ def run_custom_loop(strategy, kind, opt, n, epochs, out, from_function):
     np.savez(out, weights=weights_of(model), loss=np.array(losses))
 
 
-def main():
+def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--configs", default="mlp-sgd,mlp-adam,cnn-sgd,cnn-adam")
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--strategy", default="{}", help="PoseidonStrategy options, JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keras.utils.set_random_seed(100 + tp.rank())
     strategy = tp.PoseidonStrategy(**json.loads(args.strategy))
     for config in args.configs.split(","):
@@ -116,10 +122,11 @@ def main():
                             from_function={"loop": False, "function": True}[loop])
         else:
             run_fit(strategy, kind, opt, args.rows, args.epochs, out)
-    if strategy.num_replicas_in_sync > 1:
-        print(f"rank {tp.rank()} mode stats {json.dumps(strategy.stats()['mode'])}", flush=True)
-    print(f"rank {tp.rank()} done", flush=True)
+    with open(os.path.join(args.out, f"stats_rank{tp.rank()}.json"), "w") as f:
+        json.dump(strategy.stats().get("mode", {}), f)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    for run in sys.argv[1:]:
+        main(shlex.split(run))
+    print(f"rank {tp.rank()} done", flush=True)
