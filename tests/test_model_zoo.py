@@ -40,7 +40,8 @@ TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16"
        "transformer-ssp", "transformer-easgd", "rnn-sync", "wide_deep-sync", "wide_deep-xla",
        "wide_deep_sgd-sync", "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync",
        "accum-xla", "accum_sgd-sync", "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn",
-       "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager"]
+       "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager",
+       "peak_metric-sync"]
 THREE = ["transformer-sync", "rnn-sync", "two_io-sync", "wide_deep-sync", "wide_deep_sgd-sync",
          "mp_cnn-sync", "mp_mlp-sync", "accum-sync", "accum_sgd-sync", "bn_mlp-sync",
          "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync",
@@ -184,6 +185,15 @@ def test_mixed_precision_with_xla_is_refused(jobs):
     for rank in range(2):
         error = error_of(jobs(2), "mp_cnn-xla", rank)
         assert error is not None and "jit_compile=True" in error and "float16" in error, error
+
+
+def test_a_metric_state_without_aggregation_is_refused_naming_it(jobs):
+    # wide_deep's RankAgnostic metric checks "sum", "mean" and "only_first_replica" state
+    # against one process (evaluation, in test_sync_training_equals_one_process).
+    for rank in range(2):
+        error = error_of(jobs(2), "peak_metric-sync", rank)
+        assert error is not None and "ValueError: tf_poseidon: metric 'peak' keeps its state in " \
+            "variable 'peak_value' with aggregation='none'" in error, error
 
 
 BATCHNORM_LOCAL = [("bn_cnn-sync", 2), ("bn_cnn-xla", 2), ("bn_mlp-sync", 2), ("bn_mlp-sync", 3)]

@@ -37,10 +37,10 @@ original unchanged:
 * ``BatchNormalization._moments`` uses the global batch's statistics (batchnorm.global_moments)
   for layers built with ``synchronized=True`` and for every layer under
   ``PoseidonStrategy(sync_batchnorm=True)``;
-* ``Trainer.get_metrics_result`` computes each metric from the *sum over ranks* of its state
-  variables, so logs, progress bars and ``History`` show the global values one process would
-  show for the same global batch (true for every Keras metric whose state is a set of sums:
-  Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
+* ``Trainer.get_metrics_result`` computes each metric from its state variables *combined over
+  ranks*, each as its ``aggregation`` says (summed, every Keras metric's; averaged; rank 0's),
+  so logs, progress bars and ``History`` show the global values one process would show for
+  the same global batch (Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
   ahead of each other (SSP, EASGD: not ``lockstep``) reduce only at epoch ends, so their
   progress bars show rank 0's own metrics during an epoch;
 * ``TensorFlowTrainer._make_function`` (the train and test functions, for Keras' steps and
@@ -56,8 +56,8 @@ original unchanged:
     every step's forward pass;
   - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
     custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
-    from the sum over ranks of its state too, as ``get_metrics_result`` does (the two never
-    reduce twice: a result computed from summed state is not summed again);
+    from its state combined over ranks too, as ``get_metrics_result`` does (the two never
+    reduce twice: a result computed from combined state is not combined again);
   - with ``compile(jit_compile=True)`` XLA compiles the step, except the communication:
     Keras would compile the whole step as one XLA function, which cannot hold the ops that
     hand tensors to the engine thread. Instead the step is traced in an XLA ``jit_scope``,
@@ -327,16 +327,51 @@ _metric_reduction = _MetricReduction()
 
 
 def _global_results(extended, metrics) -> list:
-    """Each metric's result computed from the sum over ranks of its state variables: one
-    collective for all of them. Every rank calls it alike (graph or eager)."""
-    states = [[v.value for v in m.variables] for m in metrics]
-    summed = iter(extended.sum_over_ranks([s for state in states for s in state], "metrics"))
+    """Each metric's result computed from its state variables combined over ranks as each
+    variable's ``aggregation`` says, as TensorFlow's strategies read a metric's on-read
+    variables: "sum" (every Keras metric's) the sum, "mean" the mean, "only_first_replica"
+    rank 0's value; one collective for all of them. Every rank calls it alike (graph or
+    eager). Raises ValueError, before any communication, for a variable whose aggregation is
+    "none": ranks have no way to combine it."""
+    for m in metrics:
+        for v in m.variables:
+            if v.aggregation not in _COMBINE_METRIC_STATE:
+                raise ValueError(
+                    f"tf_poseidon: metric {_metric_holding(m, v).name!r} keeps its state in "
+                    f"variable {v.name!r} with aggregation={v.aggregation!r}, which does not "
+                    "say how to combine the ranks' values. Create it with "
+                    "add_variable(..., aggregation='sum') (a count or total), 'mean' or "
+                    "'only_first_replica'.")
+    variables = [v for m in metrics for v in m.variables]
+    rank, size = extended._world.rank, extended._world.size
+    summed = iter(extended.sum_over_ranks(
+        [v.value if v.aggregation != "only_first_replica" or rank == 0
+         else tf.zeros_like(v.value) for v in variables], "metrics"))
     outer, _metric_reduction.active = _metric_reduction.active, True
     try:
-        return [m.stateless_result([next(summed) for _ in state]) if state else m.result()
-                for m, state in zip(metrics, states)]
+        return [m.stateless_result([_COMBINE_METRIC_STATE[v.aggregation](next(summed), size)
+                                    for v in m.variables]) if m.variables else m.result()
+                for m in metrics]
     finally:
         _metric_reduction.active = outer
+
+
+def _metric_holding(metric, variable):
+    """The innermost metric within ``metric`` (itself included: Keras' CompileMetrics holds
+    the user's metrics) whose state includes ``variable``."""
+    for inner in metric._metrics:
+        if any(variable is v for v in inner.variables):
+            return _metric_holding(inner, variable)
+    return metric
+
+
+_COMBINE_METRIC_STATE = {
+    "sum": lambda total, size: total,
+    "mean": lambda total, size: (total / size if total.dtype.is_floating else total // size),
+    "only_first_replica": lambda total, size: total,  # the other ranks sent zeros
+}
+"""A metric state variable's ``aggregation`` -> its value over ranks from the sum over ranks
+(rank 0's own value alone for "only_first_replica") and the number of ranks."""
 
 
 def _get_metrics_result(original):

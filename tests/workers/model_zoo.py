@@ -12,7 +12,9 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
   rnn          GRU + LSTM sequence classifier, trained with class_weight
   wide_deep    a wide linear part and a deep part over one large Embedding (sparse gradients,
                ids repeated within every global batch), Adam; wide_deep_sgd the same with plain
-               SGD. The last global batch has one row: ranks without rows at P=2 and 3
+               SGD. The last global batch has one row: ranks without rows at P=2 and 3.
+               Metrics: accuracy, AUC, Precision, Recall and RankAgnostic (state variables of
+               each aggregation)
   mp_cnn       a CNN under the mixed_float16 policy (LossScaleOptimizer); the last global
                batch of 29 rows is split unevenly at P=2 and 3
   mp_mlp       an MLP under the mixed_float16 policy, SGD with momentum; the last global batch
@@ -30,6 +32,8 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
                ("input_norm") on the input features, SGD with momentum: 65 rows at a global
                batch of 16, so the last batch of every epoch has one row and P-1 ranks none;
                bn_mlp_synced the same built with BatchNormalization(synchronized=True)
+  peak_metric  the MLP with a metric whose state variable has aggregation="none" (refused on
+               several ranks)
 
 Variants: sync (mode="sync", sfb="auto"), sbn (sync + sync_batchnorm=True), always
 (sfb="always"), eager (sync with compile(run_eagerly=True)), xla and sbnxla (sync and sbn
@@ -230,6 +234,29 @@ def rnn():
     return model
 
 
+class RankAgnostic(keras.metrics.Metric):
+    """A metric with a state variable of each aggregation, each holding what one process would
+    hold once the ranks' values are combined that way: ``rows`` (sum) the rows seen, ``last``
+    (mean) a value every rank sets alike, ``first`` (only_first_replica) a value only rank 0
+    sets as one process does."""
+
+    def __init__(self, name="rank_agnostic", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.rows = self.add_variable((), "zeros", aggregation="sum", name="rows")
+        self.last = self.add_variable((), "zeros", aggregation="mean", name="last")
+        self.first = self.add_variable((), "zeros", aggregation="only_first_replica",
+                                       name="first")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.rows.assign_add(tf.cast(tf.shape(y_true)[0], self.dtype))
+        self.last.assign(3.0)
+        self.first.assign(7.0 + 100.0 * tp.rank())
+
+    def result(self):
+        return {name: keras.ops.cast(variable, self.dtype) for name, variable in
+                [("rows_seen", self.rows), ("mean_of_ranks", self.last), ("rank_0", self.first)]}
+
+
 def wide_deep(optimizer=None):
     ids = keras.Input((4,), dtype="int32", name="ids")
     wide = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20000, 1)(ids))
@@ -238,7 +265,10 @@ def wide_deep(optimizer=None):
     logit = keras.layers.Add()([wide, keras.layers.Dense(1)(deep)])
     model = keras.Model(ids, keras.layers.Activation("sigmoid", name="click")(logit))
     model.compile(optimizer=optimizer or keras.optimizers.Adam(0.01),
-                  loss="binary_crossentropy", metrics=["accuracy"])
+                  loss="binary_crossentropy",
+                  metrics=["accuracy", keras.metrics.AUC(name="auc"),
+                           keras.metrics.Precision(name="precision"),
+                           keras.metrics.Recall(name="recall"), RankAgnostic()])
     return model
 
 
@@ -266,6 +296,27 @@ def mlp(optimizer):
     inputs = keras.Input((10,), name="features")
     x = keras.layers.Dense(16, activation="tanh")(inputs)
     return classifier(inputs, keras.layers.Dense(2)(x), optimizer)
+
+
+class Peak(keras.metrics.Metric):
+    """The largest logit seen, kept in a variable with aggregation="none": no way to combine
+    the ranks' values, so refused on several ranks."""
+
+    def __init__(self):
+        super().__init__(name="peak")
+        self.peak = self.add_variable((), "zeros", aggregation="none", name="peak_value")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.peak.assign(keras.ops.maximum(self.peak, keras.ops.max(y_pred)))
+
+    def result(self):
+        return keras.ops.cast(self.peak, self.dtype)
+
+
+def peak_metric():
+    model = mlp(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=model.optimizer, loss=model.loss, metrics=[Peak()])
+    return model
 
 
 def mixed_precision(build):
@@ -325,7 +376,8 @@ MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
           "stopping": (lambda: mlp(keras.optimizers.Adam(0.01)), stopping_data),
           "pydataset": (lambda: mlp(keras.optimizers.SGD(0.1, momentum=0.9)), pydataset_data),
           "two_io": (two_io, two_io_data), "bn_mlp": (bn_mlp, bn_rows),
-          "bn_mlp_synced": (lambda: bn_mlp(synchronized=True), bn_rows)}
+          "bn_mlp_synced": (lambda: bn_mlp(synchronized=True), bn_rows),
+          "peak_metric": (peak_metric, mlp_data)}
 
 
 SHORT = ("fp16", "ssp", "easgd")
