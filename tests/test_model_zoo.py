@@ -30,22 +30,22 @@ TOLERANCE = 1e-5
 FP16_TOLERANCE = 2e-2
 ACCURACY_POINTS = 0.01
 
-ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "wide_deep-sync",
-       "wide_deep-xla", "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3",
-       "mp_mlp-sliced2", "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync",
-       "two_io-sync", "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager",
-       "two_io-eager"]
+ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "tagger-sync",
+       "tagger_sum-sync", "tagger_weighted-sync", "wide_deep-sync", "wide_deep-xla",
+       "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3", "mp_mlp-sliced2",
+       "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync", "two_io-sync",
+       "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager"]
 TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16", "bn_cnn-ssp",
        "bn_cnn-easgd", "transformer-sync", "transformer-always", "transformer-fp16",
-       "transformer-ssp", "transformer-easgd", "rnn-sync", "wide_deep-sync", "wide_deep-xla",
-       "wide_deep_sgd-sync", "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync",
-       "accum-xla", "accum_sgd-sync", "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn",
-       "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager",
-       "peak_metric-sync"]
-THREE = ["transformer-sync", "rnn-sync", "two_io-sync", "wide_deep-sync", "wide_deep_sgd-sync",
-         "mp_cnn-sync", "mp_mlp-sync", "accum-sync", "accum_sgd-sync", "bn_mlp-sync",
-         "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync", "pydataset-sync",
-         "wide_deep-eager"]
+       "transformer-ssp", "transformer-easgd", "rnn-sync", "tagger-sync", "tagger_sum-sync",
+       "tagger_weighted-sync", "wide_deep-sync", "wide_deep-xla", "wide_deep_sgd-sync",
+       "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync", "accum-xla", "accum_sgd-sync",
+       "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync",
+       "pydataset-sync", "wide_deep-eager", "two_io-eager", "peak_metric-sync"]
+THREE = ["transformer-sync", "rnn-sync", "tagger-sync", "tagger_weighted-sync", "two_io-sync",
+         "wide_deep-sync", "wide_deep_sgd-sync", "mp_cnn-sync", "mp_mlp-sync", "accum-sync",
+         "accum_sgd-sync", "bn_mlp-sync", "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync",
+         "pydataset-sync", "wide_deep-eager"]
 
 
 def train(tmp_path_factory, ranks, entries):
@@ -131,6 +131,8 @@ def assert_equals_one_process(jobs, entry, ranks, reference, keys):
 
 
 EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
+         ("tagger-sync", 2), ("tagger_sum-sync", 2), ("tagger_weighted-sync", 2),
+         ("tagger-sync", 3), ("tagger_weighted-sync", 3),
          ("wide_deep-sync", 2), ("wide_deep_sgd-sync", 2), ("two_io-sync", 2),
          ("accum-sync", 2), ("accum_sgd-sync", 2), ("bn_cnn-sbn", 2), ("bn_mlp-sbn", 2),
          ("bn_mlp_synced-sync", 2), ("pydataset-sync", 2),

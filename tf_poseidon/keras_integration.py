@@ -25,9 +25,15 @@ original unchanged:
 * ``TensorFlowTrainer.train_step`` runs with batch-share weighting on (the replica context
   carries the local batch size; algorithms/batch_share.py):
   Keras' compiled loss is a mean over the local batch scaled by 1/P, which is the global mean
-  only when the ranks' shares are equal, so an uneven last batch is reweighted. Custom loops
-  keep the TensorFlow convention instead (``tf.nn.compute_average_loss(per_example_loss,
-  global_batch_size=B)`` is exact as it is) and get plain sums;
+  only when the ranks' shares are equal, so an uneven last batch is reweighted. ``test_step``
+  runs the same way, and a loss whose Keras normalizer is not proportional to the rows (a
+  mask, "mean_with_sample_weight", "sum") is corrected where Keras reduces it (next item).
+  Custom loops keep the TensorFlow convention instead (``tf.nn.compute_average_loss(
+  per_example_loss, global_batch_size=B)`` is exact as it is) and get plain sums;
+* ``keras.src.losses.loss.reduce_weighted_values``, in those steps of a lockstep algorithm:
+  a loss divided by a normalizer that is not proportional to the rank's rows is multiplied by
+  the factor that makes the batch-share weighted sum one process's loss (one tiny all-reduce
+  per loss; docs/synchronization.md, "Masked losses");
 * ``CompileLoss.call``: the per-output loss metrics of a model with several outputs, which Keras
   records with weight 1 per batch of unknown size, are weighted by each rank's share of the
   global batch (one tiny all-reduce of the row counts per step), so evaluate and History show
@@ -112,6 +118,7 @@ from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
+from keras.src.losses import loss as keras_loss
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.trainers import compile_utils as keras_compile_utils
@@ -194,7 +201,10 @@ def _check_finite(original):
     return wrapper
 
 
-def _train_step(original):
+def _by_batch_share(original):
+    """Keras' train_step and test_step: run with this rank's row count in the replica context,
+    which weights the step's gradient reduction and corrects its loss reductions
+    (:func:`_reduce_weighted_values`)."""
     def wrapper(self, data):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None:
@@ -229,6 +239,60 @@ def _scaled(grad, factor: tf.Tensor):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(_scaled(grad.values, factor), grad.indices, grad.dense_shape)
     return tf.math.multiply_no_nan(grad, tf.cast(factor, grad.dtype))
+
+
+def _reduce_weighted_values(original):
+    """Keras' reduction of a loss's per-element values, in a lockstep algorithm's Keras step
+    (the replica context carries the rank's rows): times a factor that makes the ranks' losses,
+    weighted by batch share as the step weighs them, add up to one process's loss.
+
+    Keras divides a rank's weighted sum of losses S_p by a normalizer (times P) taken from the
+    rank's own data; one process divides the global sum by the global normalizer. Where the
+    normalizer is proportional to the rank's rows (no mask, no "mean_with_sample_weight") the
+    batch-share weighting already gives one process's loss and nothing changes. Where it is
+    not (a mask: the count of unmasked elements; "mean_with_sample_weight": the sum of the
+    weights; "sum": none), the loss is multiplied by (n_p / Σn) / (rows_p / Σrows), n_p being
+    :func:`_loss_normalizer`'s value: one tiny all-reduce of (rows, n_p) per loss.
+    """
+    def wrapper(values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                dtype=None):
+        loss = original(values, sample_weight=sample_weight, mask=mask, reduction=reduction,
+                        dtype=dtype)
+        extended = _poseidon_extended()
+        local_batch = getattr(tf.distribute.get_replica_context(), "local_batch", None)
+        if extended is None or local_batch is None or not extended.config.algorithm.lockstep:
+            return loss
+        normalizer = _loss_normalizer(tf.convert_to_tensor(values), sample_weight, mask,
+                                      reduction, extended._num_replicas_in_sync)
+        if normalizer is None:
+            return loss
+        rows = tf.cast(local_batch, tf.float32)
+        totals = extended.sum_over_ranks([tf.stack([rows, normalizer])], "loss_normalizer")[0]
+        factor = tf.math.divide_no_nan(normalizer * totals[0], totals[1] * rows)
+        return loss * tf.cast(factor, loss.dtype)
+    return wrapper
+
+
+def _loss_normalizer(values: tf.Tensor, sample_weight, mask, reduction: str | None,
+                     ranks: int) -> tf.Tensor | None:
+    """What Keras 3.15's ``reduce_weighted_values`` divides this rank's weighted sum of
+    ``values`` by, over P (a float32 scalar), where that is not proportional to the rank's
+    rows; None where it is, or where Keras does not reduce."""
+    reduction = keras_loss.standardize_reduction(reduction)
+    if reduction in (None, "none") or tuple(values.shape) in ((), (0,)):
+        return None
+    if reduction == "sum":
+        return tf.constant(1.0 / ranks)
+    if reduction == "mean_with_sample_weight":
+        weights = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype,
+                                        reduction=reduction)
+        return None if weights is None else tf.reduce_sum(tf.cast(weights, tf.float32))
+    if mask is None:
+        return None
+    # "sum_over_batch_size" and "mean" weigh unmasked elements by size(mask) / count.
+    mask = tf.cast(mask, tf.float32)
+    return tf.math.divide_no_nan(tf.reduce_sum(mask) * tf.cast(tf.size(values), tf.float32),
+                                 tf.cast(tf.size(mask), tf.float32))
 
 
 def _compile_loss_call(original):
@@ -564,7 +628,9 @@ def install(strategy_class: type) -> None:
     _wrap(keras_base_optimizer.BaseOptimizer, "_backend_apply_gradients",
           _backend_apply_gradients)
     _wrap(keras_loss_scale_optimizer.LossScaleOptimizer, "check_finite", _check_finite)
-    _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _train_step)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _by_batch_share)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "test_step", _by_batch_share)
+    _wrap(keras_loss, "reduce_weighted_values", _reduce_weighted_values)
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)

@@ -10,6 +10,12 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
   transformer  encoder block: Embedding, MultiHeadAttention, LayerNormalization, Dense on 3-D
                inputs, Dropout; SGD with momentum
   rnn          GRU + LSTM sequence classifier, trained with class_weight
+  tagger       a token tagger over padded sequences of 1 to 12 tokens: Embedding(mask_zero=True),
+               LSTM(return_sequences=True), a Dense per token, SGD with momentum, so the loss
+               and accuracy are masked (a rank's loss is divided by its own count of tokens);
+               a sample_weight per token; the last global batch has one row. tagger_sum: the
+               loss with reduction="sum" (weighted 0.006: about a mean's size); tagger_weighted:
+               reduction="mean_with_sample_weight"
   wide_deep    a wide linear part and a deep part over one large Embedding (sparse gradients,
                ids repeated within every global batch), Adam; wide_deep_sgd the same with plain
                SGD. The last global batch has one row: ranks without rows at P=2 and 3.
@@ -109,6 +115,17 @@ def sequence_data():
     y = np.digitize(x[:, :, 0].mean(1), [-0.25, 0.3]).astype("int32")
     return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 30, "epochs": 1,
             "class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}
+
+
+def tagged_tokens():
+    rng = np.random.default_rng(8)
+    n, length = 241, 12
+    lengths = rng.integers(1, length + 1, size=n)
+    x = rng.integers(1, 60, size=(n, length)).astype("int32")
+    x[np.arange(length)[None, :] >= lengths[:, None]] = 0  # padding: masked by the Embedding
+    y = (x % 4).astype("int32")
+    return {"x": x, "y": y, "x_test": x[:100], "y_test": y[:100], "batch": 24, "epochs": 1,
+            "sample_weight": rng.uniform(0.5, 1.5, size=(n, length)).astype("float32")}
 
 
 def wide_deep_data():
@@ -230,6 +247,18 @@ def rnn():
     model = keras.Model(inputs, keras.layers.Dense(3, name="label")(x))
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def tagger(reduction: str = "sum_over_batch_size", loss_weight: float = 1.0):
+    tokens = keras.Input((12,), dtype="int32", name="tokens")
+    x = keras.layers.Embedding(60, 8, mask_zero=True)(tokens)
+    x = keras.layers.LSTM(8, return_sequences=True)(x)
+    model = keras.Model(tokens, keras.layers.Dense(4, name="tag")(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.5, momentum=0.9), loss_weights=[loss_weight],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                  reduction=reduction),
                   metrics=["accuracy"])
     return model
 
@@ -363,7 +392,10 @@ def two_io():
 
 
 MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
-          "rnn": (rnn, sequence_data), "wide_deep": (wide_deep, wide_deep_data),
+          "rnn": (rnn, sequence_data), "tagger": (tagger, tagged_tokens),
+          "tagger_sum": (lambda: tagger("sum", loss_weight=0.006), tagged_tokens),
+          "tagger_weighted": (lambda: tagger("mean_with_sample_weight"), tagged_tokens),
+          "wide_deep": (wide_deep, wide_deep_data),
           "wide_deep_sgd": (lambda: wide_deep(keras.optimizers.SGD(0.5)), wide_deep_data),
           "mp_cnn": (mixed_precision(cnn), image_data),
           "mp_mlp": (mixed_precision(lambda: mlp(keras.optimizers.SGD(0.05, momentum=0.9))),
