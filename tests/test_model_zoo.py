@@ -272,6 +272,19 @@ def test_small_embedding_is_all_reduced(jobs):
                                        "lookup's row")], rows
 
 
+def test_an_embedding_is_sent_as_rows_to_an_optimizer_that_applies_them_one_by_one(jobs):
+    # The tagger's Embedding(60, 8) would cost fewer bytes all-reduced, but Keras' Adam squares
+    # each looked-up row on its own: the dense sum would change its update (weights 0.12 away
+    # from one process after 11 steps). SGD (the tagger_sum entry) takes the cheaper dense sum.
+    for entry, expected in [("tagger-sync", ("sparse", "the optimizer applies each looked-up "
+                             "row on its own (its update of the dense sum would differ from one "
+                             "process's)")),
+                            ("tagger_sum-sync", ("allreduce", "the dense all-reduce moves fewer "
+                                                 "bytes than every lookup's row"))]:
+        rows = plan_rows(load(jobs(2), entry))
+        assert [row for kernel, row in rows.items() if "embedding" in kernel] == [expected], rows
+
+
 def test_sfb_always_sends_the_2d_head_and_refuses_3d_dense(jobs):
     # sfb="always": the classification head (2-D input) travels as sufficient factors; the
     # Dense layers on 3-D inputs cannot (K would be batch x sequence), said in the plan.

@@ -2,12 +2,15 @@
 
 Keras 3's TensorFlow trainer special-cases ``MultiWorkerMirroredStrategy`` for the things a
 multi-process strategy needs, and does not offer hooks for another one. :func:`install` wraps
-sixteen Keras functions; each wrapper acts only when the current strategy is a
+the Keras functions below; each wrapper acts only when the current strategy is a
 :class:`~tf_poseidon.PoseidonStrategy` with more than one process and otherwise calls the
 original unchanged:
 
 * the optimizer's gradient all-reduce (``TFOptimizer._all_reduce_sum_gradients``) goes to the
-  strategy's algorithm, so algorithms and buckets apply to gradients only;
+  strategy's algorithm, so algorithms and buckets apply to gradients only, telling it whether
+  the optimizer applies an embedding's rows one by one (every update rule but SGD's, and
+  clipping, treat duplicate rows differently from their sum: then only sparse rows give one
+  process's update);
 * after the optimizer's update (``TFOptimizer._backend_update_step``) the algorithm gets its
   turn (``after_update``: SSP's delta exchange, EASGD's elastic move);
 * gradient clipping (``BaseOptimizer._clip_gradients``: ``clipnorm``, ``global_clipnorm``,
@@ -121,6 +124,7 @@ from keras.src.layers.normalization import batch_normalization as keras_batch_no
 from keras.src.losses import loss as keras_loss
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
+from keras.src.optimizers import sgd as keras_sgd
 from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
@@ -156,8 +160,9 @@ def _all_reduce_sum_gradients(original):
             return original(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
         present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
-        reduced = extended.reduce_gradients([grads_and_vars[i][0] for i in present],
-                                            [grads_and_vars[i][1] for i in present])
+        with tf.distribute.get_replica_context().applying_rows(_applies_rows_one_by_one(self)):
+            reduced = extended.reduce_gradients([grads_and_vars[i][0] for i in present],
+                                                [grads_and_vars[i][1] for i in present])
         keras_clip = keras_base_optimizer.BaseOptimizer._clip_gradients.__tf_poseidon_original__
         reduced = keras_clip(self, reduced)
         result = [(None, v) for _, v in grads_and_vars]
@@ -165,6 +170,16 @@ def _all_reduce_sum_gradients(original):
             result[i] = (g, grads_and_vars[i][1])
         return result
     return wrapper
+
+
+def _applies_rows_one_by_one(optimizer) -> bool:
+    """Whether ``optimizer`` updates an ``IndexedSlices`` gradient with duplicate rows
+    differently from their sum: every Keras update rule but SGD's squares or divides the rows
+    one by one (Adam, AdamW, RMSprop, Adagrad, Nadam, ...), and clipping (``clipnorm``,
+    ``global_clipnorm``, ``clipvalue``) measures them one by one."""
+    clipped = any(getattr(optimizer, name, None) is not None
+                  for name in ("clipnorm", "global_clipnorm", "clipvalue"))
+    return clipped or type(optimizer).update_step is not keras_sgd.SGD.update_step
 
 
 def _backend_update_step(original):

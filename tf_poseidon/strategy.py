@@ -442,11 +442,17 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
     to weight each rank by its share of the global batch (Keras' compiled loss, a mean over the
     local batch: keras_integration's train step sets it with :meth:`weighting_by_batch_share`);
     None gives plain sums (custom loops, whose loss convention is already global).
+
+    ``optimizer_applies_rows``: whether the optimizer about to apply the gradients being
+    reduced updates an ``IndexedSlices`` gradient row by row in a way its dense sum would
+    change (keras_integration sets it with :meth:`applying_rows`); then embedding gradients
+    must reach it as every rank's rows, never summed densely.
     """
 
     def __init__(self, strategy: PoseidonStrategy, rank: int):
         super().__init__(strategy, replica_id_in_sync_group=rank)
         self.local_batch: tf.Tensor | None = None
+        self.optimizer_applies_rows = False
 
     @contextlib.contextmanager
     def weighting_by_batch_share(self, local_batch: tf.Tensor | None):
@@ -456,6 +462,15 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
             yield
         finally:
             self.local_batch = outer
+
+    @contextlib.contextmanager
+    def applying_rows(self, one_by_one: bool):
+        """Within it, ``optimizer_applies_rows`` is ``one_by_one``."""
+        outer, self.optimizer_applies_rows = self.optimizer_applies_rows, one_by_one
+        try:
+            yield
+        finally:
+            self.optimizer_applies_rows = outer
 
     @property
     def devices(self):

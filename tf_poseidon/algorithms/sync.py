@@ -129,7 +129,9 @@ class SyncImpl(AlgorithmImpl):
         rank order); replica context.
 
         With ``local_batch`` (this rank's example count in the step), each rank's gradient is
-        weighted by its share of the global batch (batch_share.py). Blocking: in a graph, the
+        weighted by its share of the global batch (batch_share.py). Where the replica context
+        says the optimizer applies sparse rows one by one (``optimizer_applies_rows``, set by
+        the Keras optimizer integration), embedding gradients always travel as sparse rows. Blocking: in a graph, the
         returned tensors' ops block until the sums are there; eagerly, the call blocks. The
         first trace with a gradient another protocol could carry (a captured Dense kernel, an
         embedding's IndexedSlices, a matrix with ``lowrank=``) agrees the per-layer plan with
@@ -137,7 +139,9 @@ class SyncImpl(AlgorithmImpl):
         low-rank come back as their low-rank sums (approximate; tf_poseidon/lowrank/).
         """
         session = self._sessions[-1] if self._sessions else None
-        choices = self._planner.choose(session, grads, variables)
+        context = tf.distribute.get_replica_context()
+        choices = self._planner.choose(session, grads, variables,
+                                       getattr(context, "optimizer_applies_rows", False))
         names = variable_names(variables)
         weight = (batch_share.Weighting(local_batch, self.num_replicas)
                   if local_batch is not None else None)

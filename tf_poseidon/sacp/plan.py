@@ -44,7 +44,9 @@ class Candidate:
     kernel's shape and ``rows`` the local batch K; for sparse, (m, n) is the table's (rows,
     width) and ``rows`` the number of rows looked up per step; otherwise (m, n) is the matrix
     the gradient is compressed as (lowrank.matrix_shape). ``lowrank``: whether low-rank
-    compression is examined for it.
+    compression is examined for it. ``rows_one_by_one`` (sparse): the optimizer applies an
+    IndexedSlices gradient row by row in a way its dense sum would change, so only sparse
+    rows give one process's update.
     """
 
     kernel: str  # variable path
@@ -55,6 +57,7 @@ class Candidate:
     protocol: str = SFB
     lookups_per_example: int = 1  # sparse: rows looked up per example, for a dynamic batch
     lowrank: bool = False
+    rows_one_by_one: bool = False  # sparse: the optimizer applies each row on its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,8 +337,10 @@ def _sparse_row(c: Candidate, k: int | None, num_replicas: int, element_bytes: f
     assumed = k is None
     k_used = ASSUMED_LOCAL_BATCH * c.lookups_per_example if assumed else k
     cost = cost_model.sparse_cost(c.m, c.n, k_used, num_replicas, element_bytes, rates)
-    sparse = cost.bytes_sparse < cost.bytes_allreduce
-    reason = (f"sparse rows move fewer bytes: {_bytes(cost.bytes_sparse)} < "
+    sparse = c.rows_one_by_one or cost.bytes_sparse < cost.bytes_allreduce
+    reason = ("the optimizer applies each looked-up row on its own (its update of the dense sum "
+              "would differ from one process's)" if c.rows_one_by_one else
+              f"sparse rows move fewer bytes: {_bytes(cost.bytes_sparse)} < "
               f"{_bytes(cost.bytes_allreduce)}" if sparse else
               "the dense all-reduce moves fewer bytes than every lookup's row")
     return LayerPlan(c.kernel, (c.m, c.n), k_used, assumed,
@@ -362,20 +367,24 @@ class Planner:
         self._rates = RatesCache()
         self.plan: Plan | None = None
 
-    def choose(self, session, grads, variables) -> list[tuple[object | None, LayerPlan | None]]:
+    def choose(self, session, grads, variables, rows_one_by_one: bool = False
+               ) -> list[tuple[object | None, LayerPlan | None]]:
         """Per gradient: (its capture Match or None, its agreed LayerPlan or None).
 
         A Dense kernel's gradient is matched against ``session``'s captured factors (None:
         sfb="never", or an eager call); an ``IndexedSlices`` gradient (an embedding's) is a
-        sparse candidate whatever the session; with low-rank compression on, every other
-        matrix-shaped floating gradient is a low-rank candidate."""
+        sparse candidate whatever the session, always sent as sparse rows when
+        ``rows_one_by_one`` (the optimizer applies each row on its own); with low-rank
+        compression on, every other matrix-shaped floating gradient is a low-rank
+        candidate."""
         lowrank = self._config.lowrank
         skipped = dict(session.skipped) if session is not None else {}
         matches, candidates = [], []
         for grad, variable in zip(grads, variables):
             if isinstance(grad, tf.IndexedSlices):
                 matches.append(None)
-                candidates.append(_sparse_candidate(grad, variable))
+                candidates.append(dataclasses.replace(_sparse_candidate(grad, variable),
+                                                      rows_one_by_one=rows_one_by_one))
                 continue
             match = session.match(grad, variables) if session is not None else None
             matches.append(match)
@@ -418,7 +427,7 @@ class Planner:
 
 def _key(c: Candidate) -> tuple:
     """What identifies a plan row across retraces: (variable path, shape, protocols)."""
-    return (c.kernel, c.m, c.n, c.protocol, c.lowrank)
+    return (c.kernel, c.m, c.n, c.protocol, c.lowrank, c.rows_one_by_one)
 
 
 def _lowrank_shape(variable) -> tuple[int, int] | None:
