@@ -47,6 +47,25 @@ def run_job(num_ranks: int, worker: str, *args: str, timeout: float = 300,
     return result, time.monotonic() - start
 
 
+def runs_by_world_size(tmp_path_factory, worker: str, runs: dict[int, dict[str, str]]):
+    """``get(world size, run name)`` -> that run's output directory. ``runs``: world size (0:
+    one plain process) -> run name -> the worker's arguments for it; one job per world size,
+    run on first use, passes each run as one argument "OUT ARGS" (the workers take
+    ``RUN [RUN ...]``)."""
+    done = {}
+
+    def get(num_ranks: int, name: str):
+        if num_ranks not in done:
+            root = tmp_path_factory.mktemp(f"{os.path.splitext(worker)[0]}_p{num_ranks}")
+            for run in runs[num_ranks]:
+                (root / run).mkdir()
+            check(run_job(num_ranks, worker, *[
+                f"{root / run} {args}" for run, args in runs[num_ranks].items()])[0])
+            done[num_ranks] = root
+        return done[num_ranks] / name
+    return get
+
+
 def check(result: subprocess.CompletedProcess) -> str:
     """The job's output; fails the test with that output if the job exited non-zero."""
     assert result.returncode == 0, f"job failed ({result.returncode}):\n{result.stdout[-6000:]}"

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from multirank import check, run_job
+from multirank import check, run_job, runs_by_world_size
 
 pytestmark = pytest.mark.multirank
 
@@ -24,20 +24,8 @@ RUNS = {  # world size -> run name -> ssp_train.py's arguments: one job per worl
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(world size, run name) -> the run's output directory, each world size's job run on
-    first use."""
-    done = {}
-
-    def get(num_ranks, name):
-        if num_ranks not in done:
-            root = tmp_path_factory.mktemp(f"ssp_p{num_ranks}")
-            for run in RUNS[num_ranks]:
-                (root / run).mkdir()
-            check(run_job(num_ranks, "ssp_train.py", *[
-                f"{root / run} {args}" for run, args in RUNS[num_ranks].items()])[0])
-            done[num_ranks] = root
-        return done[num_ranks] / name
-    return get
+    """runs(world size, run name) -> the run's output directory (multirank.runs_by_world_size)."""
+    return runs_by_world_size(tmp_path_factory, "ssp_train.py", RUNS)
 
 
 def weights(out, rank):

@@ -2,8 +2,9 @@
 
 Real jobs: tests/workers/train_configs.py trains each configuration under tfposeidon-run with
 P = 2 and 3 and as a plain process (one job per world size, its runs one after another),
-every rank seeded differently (so rank 0's initial values must reach the others). The data set size is not a multiple of B: the last global batch is
-short and split unevenly (or, at P=3 with a 1-row remainder, leaves two ranks with no rows).
+every rank seeded differently (so rank 0's initial values must reach the others). The data
+set size is not a multiple of B: the last global batch is short and split unevenly (or, at
+P=3 with a 1-row remainder, leaves two ranks with no rows).
 tests/workers/datapath_train.py trains with buckets packed on the host and on the device
 (comm/datapath.py), which must give the same bits.
 """
@@ -13,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from multirank import check, run_job
+from multirank import check, run_job, runs_by_world_size
 
 pytestmark = pytest.mark.multirank
 
@@ -34,20 +35,8 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """runs(world size, run) -> the directory of that run; one job per world size, started
-    the first time one of its runs is asked for."""
-    done = {}
-
-    def get(num_ranks, name):
-        if num_ranks not in done:
-            root = tmp_path_factory.mktemp(f"p{num_ranks}")
-            for run in RUNS[num_ranks]:
-                (root / run).mkdir()
-            check(run_job(num_ranks, "train_configs.py", *[
-                f"{root / run} {args}" for run, args in RUNS[num_ranks].items()])[0])
-            done[num_ranks] = root
-        return done[num_ranks] / name
-    return get
+    """runs(world size, run name) -> the run's output directory (multirank.runs_by_world_size)."""
+    return runs_by_world_size(tmp_path_factory, "train_configs.py", RUNS)
 
 
 def load(out, config, rank):

@@ -49,9 +49,9 @@ original unchanged:
 * ``Trainer.get_metrics_result`` computes each metric from its state variables *combined over
   ranks*, each as its ``aggregation`` says (summed, every Keras metric's; averaged; rank 0's),
   so logs, progress bars and ``History`` show the global values one process would show for
-  the same global batch (Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...). Algorithms whose ranks run
-  ahead of each other (SSP, EASGD: not ``lockstep``) reduce only at epoch ends, so their
-  progress bars show rank 0's own metrics during an epoch;
+  the same global batch (Mean, Sum, the accuracies, Precision/Recall/AUC, MeanIoU, ...).
+  Algorithms whose ranks run ahead of each other (SSP, EASGD: not ``lockstep``) reduce only
+  at epoch ends, so their progress bars show rank 0's own metrics during an epoch;
 * ``TensorFlowTrainer._make_function`` (the train and test functions, for Keras' steps and
   for a model's own ``train_step``/``test_step``) runs the step so that:
 

@@ -395,7 +395,8 @@ def two_io():
 
 
 MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
-          "rnn": (rnn, sequence_data), "tagger": (lambda: tagger(optimizer=keras.optimizers.Adam(0.01)), tagged_tokens),
+          "rnn": (rnn, sequence_data),
+          "tagger": (lambda: tagger(optimizer=keras.optimizers.Adam(0.01)), tagged_tokens),
           "tagger_sum": (lambda: tagger("sum", loss_weight=0.006), tagged_tokens),
           "tagger_weighted": (lambda: tagger("mean_with_sample_weight"), tagged_tokens),
           "wide_deep": (wide_deep, wide_deep_data),

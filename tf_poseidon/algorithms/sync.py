@@ -131,11 +131,12 @@ class SyncImpl(AlgorithmImpl):
         With ``local_batch`` (this rank's example count in the step), each rank's gradient is
         weighted by its share of the global batch (batch_share.py). Where the replica context
         says the optimizer applies sparse rows one by one (``optimizer_applies_rows``, set by
-        the Keras optimizer integration), embedding gradients always travel as sparse rows. Blocking: in a graph, the
-        returned tensors' ops block until the sums are there; eagerly, the call blocks. The
-        first trace with a gradient another protocol could carry (a captured Dense kernel, an
-        embedding's IndexedSlices, a matrix with ``lowrank=``) agrees the per-layer plan with
-        the other ranks (a collective, blocking until every rank reaches it). Gradients sent
+        the Keras optimizer integration), embedding gradients always travel as sparse rows.
+        Blocking: in a graph, the returned tensors' ops block until the sums are there;
+        eagerly, the call blocks. The first trace with a gradient another protocol could carry
+        (a captured Dense kernel, an embedding's IndexedSlices, a matrix with ``lowrank=``)
+        agrees the per-layer plan with the other ranks (a collective, blocking until every
+        rank reaches it). Gradients sent
         low-rank come back as their low-rank sums (approximate; tf_poseidon/lowrank/).
         """
         session = self._sessions[-1] if self._sessions else None
