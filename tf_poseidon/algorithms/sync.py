@@ -136,8 +136,8 @@ class SyncImpl(AlgorithmImpl):
         eagerly, the call blocks. The first trace with a gradient another protocol could carry
         (a captured Dense kernel, an embedding's IndexedSlices, a matrix with ``lowrank=``)
         agrees the per-layer plan with the other ranks (a collective, blocking until every
-        rank reaches it). Gradients sent
-        low-rank come back as their low-rank sums (approximate; tf_poseidon/lowrank/).
+        rank reaches it). Gradients sent low-rank come back as their low-rank sums
+        (approximate; tf_poseidon/lowrank/).
         """
         session = self._sessions[-1] if self._sessions else None
         context = tf.distribute.get_replica_context()
