@@ -278,7 +278,7 @@ def _reduce_weighted_values(original):
         if extended is None or local_batch is None or not extended.config.algorithm.lockstep:
             return loss
         normalizer = _loss_normalizer(tf.convert_to_tensor(values), sample_weight, mask,
-                                      reduction, extended._num_replicas_in_sync)
+                                      reduction)
         if normalizer is None:
             return loss
         rows = tf.cast(local_batch, tf.float32)
@@ -288,16 +288,17 @@ def _reduce_weighted_values(original):
     return wrapper
 
 
-def _loss_normalizer(values: tf.Tensor, sample_weight, mask, reduction: str | None,
-                     ranks: int) -> tf.Tensor | None:
+def _loss_normalizer(values: tf.Tensor, sample_weight, mask,
+                     reduction: str | None) -> tf.Tensor | None:
     """What Keras 3.15's ``reduce_weighted_values`` divides this rank's weighted sum of
-    ``values`` by, over P (a float32 scalar), where that is not proportional to the rank's
-    rows; None where it is, or where Keras does not reduce."""
+    ``values`` by (a float32 scalar), up to a factor every rank shares (it cancels in
+    n_p / Σn), where that is not proportional to the rank's rows; None where it is, or where
+    Keras does not reduce. "sum" divides by nothing where a mean divides by P: 1 per rank."""
     reduction = keras_loss.standardize_reduction(reduction)
     if reduction in (None, "none") or tuple(values.shape) in ((), (0,)):
         return None
     if reduction == "sum":
-        return tf.constant(1.0 / ranks)
+        return tf.constant(1.0)
     if reduction == "mean_with_sample_weight":
         weights = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype,
                                         reduction=reduction)

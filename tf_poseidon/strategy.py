@@ -454,23 +454,22 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
         self.local_batch: tf.Tensor | None = None
         self.optimizer_applies_rows = False
 
-    @contextlib.contextmanager
     def weighting_by_batch_share(self, local_batch: tf.Tensor | None):
         """Within it, gradient reductions in this replica weight it by ``local_batch``."""
-        outer, self.local_batch = self.local_batch, local_batch
-        try:
-            yield
-        finally:
-            self.local_batch = outer
+        return self._setting("local_batch", local_batch)
 
-    @contextlib.contextmanager
     def applying_rows(self, one_by_one: bool):
         """Within it, ``optimizer_applies_rows`` is ``one_by_one``."""
-        outer, self.optimizer_applies_rows = self.optimizer_applies_rows, one_by_one
+        return self._setting("optimizer_applies_rows", one_by_one)
+
+    @contextlib.contextmanager
+    def _setting(self, name: str, value):
+        outer = getattr(self, name)
+        setattr(self, name, value)
         try:
             yield
         finally:
-            self.optimizer_applies_rows = outer
+            setattr(self, name, outer)
 
     @property
     def devices(self):
