@@ -33,6 +33,11 @@ original unchanged:
   mask, "mean_with_sample_weight", "sum") is corrected where Keras reduces it (next item).
   Custom loops keep the TensorFlow convention instead (``tf.nn.compute_average_loss(
   per_example_loss, global_batch_size=B)`` is exact as it is) and get plain sums;
+* Keras' TensorFlow ``random.dropout``, ``random.uniform`` and ``random.normal``, in those steps
+  of a model with seed generators: each rank draws its rows of the draw one process makes for
+  the whole global batch (batch_draws.py; one tiny all-reduce of the ranks' row counts per
+  step), so Dropout masks, Gaussian noise and per-image augmentations are one process's
+  instead of the same for every rank's rows;
 * ``keras.src.losses.loss.reduce_weighted_values``, in those steps of a lockstep algorithm:
   a loss divided by a normalizer that is not proportional to the rank's rows is multiplied by
   the factor that makes the batch-share weighted sum one process's loss (one tiny all-reduce
@@ -119,17 +124,19 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src import tree
 from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
 from keras.src.losses import loss as keras_loss
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.optimizers import sgd as keras_sgd
+from keras.src.random import seed_generator as keras_seed_generator
 from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
 
-from tf_poseidon import batchnorm
+from tf_poseidon import batch_draws, batchnorm
 from tf_poseidon import data as data_lib
 from tf_poseidon import scope_check
 from tf_poseidon import timeouts
@@ -219,15 +226,72 @@ def _check_finite(original):
 def _by_batch_share(original):
     """Keras' train_step and test_step: run with this rank's row count in the replica context,
     which weights the step's gradient reduction and corrects its loss reductions
-    (:func:`_reduce_weighted_values`)."""
+    (:func:`_reduce_weighted_values`), and, for a model with seed generators, with its window
+    in the global batch, by which Keras' random draws take this rank's rows (:func:`_drawn`)."""
     def wrapper(self, data):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None:
             return original(self, data)
-        with tf.distribute.get_replica_context().weighting_by_batch_share(
-                data_lib.batch_size_of(data)):
+        context = tf.distribute.get_replica_context()
+        rows = data_lib.batch_size_of(data)
+        with context.weighting_by_batch_share(rows), context.drawing_by_rows(
+                _draw_window(self, extended, rows)):
             return original(self, data)
     return wrapper
+
+
+def _draw_window(model, extended, rows: tf.Tensor | None) -> batch_draws.RowsWindow | None:
+    """``model``'s rows window for a step of ``rows`` rows: agreed by the ranks (one tiny
+    all-reduce) where the algorithm is lockstep, so that the draws are one process's; assumed
+    without communication otherwise (SSP, EASGD: no collective in a step, and no one process
+    to equal), so that the ranks draw apart. None for a model without seed generators."""
+    if rows is None or not any(layer._seed_generators for layer in model._flatten_layers()):
+        return None
+    rank, size, xla = extended._world.rank, extended._num_replicas_in_sync, _compiles(model)
+    if extended.config.algorithm.lockstep:
+        return batch_draws.agreed_window(rows, rank, size, xla, extended.sum_over_ranks)
+    return batch_draws.assumed_window(rows, rank, size, xla)
+
+
+def _drawn(by_rows):
+    """Keras' TensorFlow ``random.<name>`` as ``by_rows(window, *args, **kwargs)`` (the same
+    arguments, the same draw of the seed) draws it where the replica context has a rows
+    window (a Keras step: :func:`_by_batch_share`)."""
+    def wrap(original):
+        def wrapper(*args, **kwargs):
+            window = (getattr(tf.distribute.get_replica_context(), "draw_window", None)
+                      if _poseidon_extended() is not None else None)
+            if window is None:
+                return original(*args, **kwargs)
+            return by_rows(window, *args, **kwargs)
+        return wrapper
+    return wrap
+
+
+def _keras_seed(seed) -> tf.Tensor:
+    return keras_tf_random._cast_seed(keras_seed_generator.draw_seed(seed))
+
+
+def _dropout_by_rows(window, inputs, rate, noise_shape=None, seed=None):
+    if rate == 1.0:
+        return tf.zeros_like(inputs)
+    if rate == 0.0:
+        return inputs
+    seed = _keras_seed(seed)
+    return tf.nn.experimental.general_dropout(
+        inputs, rate, lambda shape, dtype: batch_draws.uniform(shape, seed, dtype, window),
+        noise_shape=keras_tf_random._get_concrete_noise_shape(inputs, noise_shape))
+
+
+def _uniform_by_rows(window, shape, minval=0.0, maxval=1.0, dtype=None, seed=None):
+    dtype = dtype or keras_backend.floatx()
+    return batch_draws.uniform(shape, _keras_seed(seed), dtype, window, tf.cast(minval, dtype),
+                               tf.cast(maxval, dtype))
+
+
+def _normal_by_rows(window, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
+    return batch_draws.normal(shape, _keras_seed(seed), dtype or keras_backend.floatx(),
+                              window, mean, stddev)
 
 
 def _backend_apply_gradients(original):
@@ -506,7 +570,7 @@ def _make_function(original):
         extended = _poseidon_extended(self.distribute_strategy)
         if extended is None:
             return original(self, step_function)
-        compile_step = bool(self.jit_compile) and not self.run_eagerly
+        compile_step = _compiles(self)
         if compile_step:
             _refuse_xla_in_16_bits(self, extended._num_replicas_in_sync)
         training = step_function == self.train_step  # make_train_function's step
@@ -529,6 +593,11 @@ def _make_function(original):
         finally:
             self._jit_compile = outer
     return wrapper
+
+
+def _compiles(model) -> bool:
+    """Whether ``model``'s steps are compiled with XLA (``compile(jit_compile=True)``)."""
+    return bool(model.jit_compile) and not model.run_eagerly
 
 
 def _refuse_xla_in_16_bits(model, ranks: int) -> None:
@@ -647,6 +716,9 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "train_step", _by_batch_share)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "test_step", _by_batch_share)
     _wrap(keras_loss, "reduce_weighted_values", _reduce_weighted_values)
+    _wrap(keras_tf_random, "dropout", _drawn(_dropout_by_rows))
+    _wrap(keras_tf_random, "uniform", _drawn(_uniform_by_rows))
+    _wrap(keras_tf_random, "normal", _drawn(_normal_by_rows))
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)

@@ -29,7 +29,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.distribute import reduce_util
 
-from tf_poseidon import batchnorm
+from tf_poseidon import batch_draws, batchnorm
 from tf_poseidon import data as data_lib
 from tf_poseidon import initial_sync
 from tf_poseidon import keras_integration
@@ -447,12 +447,18 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
     reduced updates an ``IndexedSlices`` gradient row by row in a way its dense sum would
     change (keras_integration sets it with :meth:`applying_rows`); then embedding gradients
     must reach it as every rank's rows, never summed densely.
+
+    ``draw_window``: where this replica's rows sit in the step's global batch, when Keras'
+    random draws are to take this rank's rows of the draw for the whole batch
+    (batch_draws.py; keras_integration sets it with :meth:`drawing_by_rows`); None draws
+    as Keras does.
     """
 
     def __init__(self, strategy: PoseidonStrategy, rank: int):
         super().__init__(strategy, replica_id_in_sync_group=rank)
         self.local_batch: tf.Tensor | None = None
         self.optimizer_applies_rows = False
+        self.draw_window: batch_draws.RowsWindow | None = None
 
     def weighting_by_batch_share(self, local_batch: tf.Tensor | None):
         """Within it, gradient reductions in this replica weight it by ``local_batch``."""
@@ -461,6 +467,10 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
     def applying_rows(self, one_by_one: bool):
         """Within it, ``optimizer_applies_rows`` is ``one_by_one``."""
         return self._setting("optimizer_applies_rows", one_by_one)
+
+    def drawing_by_rows(self, window: batch_draws.RowsWindow | None):
+        """Within it, ``draw_window`` is ``window``."""
+        return self._setting("draw_window", window)
 
     @contextlib.contextmanager
     def _setting(self, name: str, value):

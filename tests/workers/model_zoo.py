@@ -6,10 +6,12 @@
 An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
 
   bn_cnn       ResNet-style block (Conv2D + BatchNormalization, a residual Add) on the examples'
-               8x8 digits (examples/data/), SGD with momentum; evaluated on held-out digits
-  transformer  encoder block: Embedding, MultiHeadAttention, LayerNormalization, Dense on 3-D
-               inputs, Dropout; SGD with momentum
-  rnn          GRU + LSTM sequence classifier, trained with class_weight
+               8x8 digits (examples/data/) flipped at random (RandomFlip), SGD with momentum;
+               evaluated on held-out digits
+  transformer  encoder block: Embedding, MultiHeadAttention (with dropout), LayerNormalization,
+               Dense on 3-D inputs, Dropout; SGD with momentum
+  rnn          GRU + LSTM sequence classifier, trained with class_weight; GaussianNoise,
+               GaussianDropout, SpatialDropout1D and the RNNs' dropout and recurrent_dropout
   tagger       a token tagger over padded sequences of 1 to 12 tokens: Embedding(mask_zero=True),
                LSTM(return_sequences=True), a Dense per token, Adam, so the loss and accuracy
                are masked (a rank's loss is divided by its own count of tokens); a
@@ -51,9 +53,9 @@ sliced_train_step), and, trained for the first 12 steps only, fp16 (compression=
 (mode="ssp", staleness 1) and easgd (mode="easgd", tau 2, alpha 0.9/P).
 
 Every rank seeds with 1000·rank + a fixed seed, so rank 0 seeds as a single process does and
-rank 0's initial values must reach the others. The Transformer's Dropout draws one mask for all
-rows of a batch (noise_shape (1, 1, d)): its shape does not depend on how many rows a rank
-has, so with rank 0's seed generator state every rank and one process drop the same units.
+rank 0's initial values must reach the others, the seed generators' states among them: the
+random layers' draws (masks, noise, flips) are then one process's, each rank drawing the rows
+of its slice (tf_poseidon/batch_draws.py).
 
 Writes OUT/<entry>_rank<r>.npz: ``trainable``, ``non_trainable`` and ``optimizer`` (the
 optimizer's variables; each concatenated, read inside the strategy's consistent_state, as
@@ -214,7 +216,7 @@ def bn_cnn():
         return keras.layers.Activation("swish")(x) if activate else x
 
     inputs = keras.Input((8, 8, 1), name="image")
-    stem = conv_bn(inputs)
+    stem = conv_bn(keras.layers.RandomFlip("horizontal")(inputs))
     block = conv_bn(conv_bn(stem), activate=False)
     x = keras.layers.Activation("swish")(keras.layers.Add()([stem, block]))
     x = keras.layers.Flatten()(keras.layers.AveragePooling2D(2)(x))
@@ -229,8 +231,8 @@ def transformer():
     width = 16
     tokens = keras.Input((12,), dtype="int32", name="tokens")
     x = keras.layers.Embedding(40, width)(tokens)
-    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(x, x)
-    attention = keras.layers.Dropout(0.2, noise_shape=(1, 1, width))(attention)
+    attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8, dropout=0.1)(x, x)
+    attention = keras.layers.Dropout(0.2)(attention)
     x = keras.layers.LayerNormalization()(x + attention)
     hidden = keras.layers.Dense(32, activation="relu")(x)
     x = keras.layers.LayerNormalization()(x + keras.layers.Dense(width)(hidden))
@@ -244,8 +246,10 @@ def transformer():
 
 def rnn():
     inputs = keras.Input((10, 4), name="sequence")
-    x = keras.layers.GRU(12, return_sequences=True)(inputs)
-    x = keras.layers.LSTM(8)(x)
+    x = keras.layers.GaussianNoise(0.1)(inputs)
+    x = keras.layers.GRU(12, return_sequences=True, dropout=0.1, recurrent_dropout=0.1)(x)
+    x = keras.layers.SpatialDropout1D(0.1)(x)
+    x = keras.layers.LSTM(8, dropout=0.1)(keras.layers.GaussianDropout(0.1)(x))
     model = keras.Model(inputs, keras.layers.Dense(3, name="label")(x))
     model.compile(optimizer=keras.optimizers.Adam(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
