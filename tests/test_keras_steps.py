@@ -13,7 +13,7 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,guide-bn,cnn-xla"
+CONFIGS = "guide,guide-xla,guide-bn,cnn-xla,stateful"
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,18 @@ def test_jit_compile_matches_one_process_with_xla(jobs):
             text = (dump / "rank0" / name).read_text()
             compiled.append("convolution(" in text and "select-and-scatter(" in text)
     assert any(compiled), f"no XLA cluster holds the backward pass ({len(compiled)} clusters)"
+
+
+@pytest.mark.multirank
+def test_a_stateful_rnn_built_with_the_ranks_batch_trains_like_one_process(jobs):
+    # Built with batch_shape (60 / P, ...), each rank's LSTM keeps the states of its rows of
+    # every global batch: one process's states for those rows, across fit, evaluate and
+    # predict, and the weights, losses and predictions are one process's.
+    single, two, _ = jobs
+    reference = load(single, "stateful", 0)
+    for rank in range(2):
+        result = load(two, "stateful", rank)
+        for key in ("weights", "loss", "accuracy", "evaluation", "predictions"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)
+        rows = reference["states"][30 * rank:30 * (rank + 1)]
+        assert max_difference(rows, result["states"]) <= TOLERANCE, rank

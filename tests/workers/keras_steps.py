@@ -13,10 +13,14 @@ evaluated and, for the Sequential ones, predicted):
   cnn-xla      a Sequential CNN with Adam and jit_compile=True (Keras' own steps)
   cnn-plain    the same without XLA (only in a world of one: how far XLA alone moves the
                results, the scale the XLA comparison is measured against)
+  stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
+               with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
+               global batches (a stateful model takes no partial batch)
 Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
 training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
-the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer) and
-``own_predictions``: this rank's model called on the predicted rows, no communication. With
+the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer),
+``own_predictions``: this rank's model called on the predicted rows, no communication (not for
+stateful), and ``states``: the stateful LSTM's h and c after all that (this rank's rows). With
 KERAS_STEPS_XLA_DUMP=DIR, XLA writes the modules it compiles to DIR/rank<r>.
 """
 
@@ -113,12 +117,19 @@ def cnn() -> keras.Model:
         keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
+def stateful_lstm() -> keras.Model:
+    return keras.Sequential([
+        keras.Input(batch_shape=(GLOBAL_BATCH // tp.size(), 8, 8, 1)),
+        keras.layers.Reshape((8, 8)), keras.layers.LSTM(6, stateful=True), keras.layers.Dense(3)])
+
+
 def run(strategy, config: str, out: str) -> None:
     x, y = data()
     keras.utils.set_random_seed(21)
+    stateful = config == "stateful"
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn") if config.startswith("guide")
-                 else cnn())
+                 else stateful_lstm() if stateful else cnn())
         optimizer = (keras.optimizers.SGD(0.1, momentum=0.9) if config.startswith("guide")
                      else keras.optimizers.Adam(0.01))
         model.compile(optimizer=optimizer,
@@ -128,7 +139,8 @@ def run(strategy, config: str, out: str) -> None:
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
                         callbacks=[batches])
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
-    predictions = model.predict(x[:97], batch_size=GLOBAL_BATCH, verbose=0)
+    predicted = x[:2 * GLOBAL_BATCH] if stateful else x[:97]
+    predictions = model.predict(predicted, batch_size=GLOBAL_BATCH, verbose=0)
     norm = getattr(model, "norm", None)
     np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
              loss=history.history["loss"], accuracy=history.history["accuracy"],
@@ -138,7 +150,9 @@ def run(strategy, config: str, out: str) -> None:
              non_trainable=np.concatenate([v.numpy().ravel()
                                            for v in model.non_trainable_weights] or [[]]),
              moving_mean=norm.moving_mean.numpy() if norm is not None else [],
-             own_predictions=model(x[:97], training=False))
+             own_predictions=[] if stateful else model(predicted, training=False),
+             states=np.concatenate([v.numpy() for v in model.layers[1].states], 1)
+             if stateful else [])
 
 
 def main(out: str, configs: str) -> None:
