@@ -7,12 +7,13 @@ rank 0's, taken with the weights, then advanced alike by every step. Drawn for t
 as Keras draws them, every rank would draw the same values for its rows: row i of each rank's
 slice would get one and the same mask, and no row the mask one process draws for it.
 
-TensorFlow's stateless Philox draws (CPU, GPU and XLA alike) compute element j from the key and
-the 128-bit counter + ⌊j/k⌋, one Philox block yielding k elements (4 for 16- and 32-bit floats,
-2 for float64). So rows [a, a + n) of a draw of shape [B, *rest] are the draw of n·R elements
+TensorFlow's stateless Philox kernels compute element j of a draw from the key and the 128-bit
+counter + ⌊j/k⌋, one Philox block yielding k elements (4 for 16- and 32-bit floats, 2 for
+float64). So rows [a, a + n) of a draw of shape [B, *rest] are the draw of n·R elements
 (R = prod(rest)) from counter + ⌊a·R/k⌋, less its first a·R mod k elements: a rank draws only
-its own rows, bit for bit the values one process draws for them (docs/synchronization.md,
-"Random layers").
+its own rows, bit for bit the values one process draws for them. XLA's uniform draws (other
+values than the kernels') have the same property, its normal draws not (:func:`normal`);
+tests/test_batch_draws.py checks each (docs/synchronization.md, "Random layers").
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ original unchanged:
   Custom loops keep the TensorFlow convention instead (``tf.nn.compute_average_loss(
   per_example_loss, global_batch_size=B)`` is exact as it is) and get plain sums;
 * Keras' TensorFlow ``random.dropout``, ``random.uniform`` and ``random.normal``, in those steps
-  of a model with seed generators: each rank draws its rows of the draw one process makes for
+  of a model with a layer that draws: each rank draws its rows of the draw one process makes for
   the whole global batch (batch_draws.py; one tiny all-reduce of the ranks' row counts per
   step), so Dropout masks, Gaussian noise and per-image augmentations are one process's
   instead of the same for every rank's rows;
@@ -127,6 +127,7 @@ from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
+from keras.src.layers.rnn import dropout_rnn_cell as keras_dropout_rnn_cell
 from keras.src.losses import loss as keras_loss
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
@@ -226,7 +227,7 @@ def _check_finite(original):
 def _by_batch_share(original):
     """Keras' train_step and test_step: run with this rank's row count in the replica context,
     which weights the step's gradient reduction and corrects its loss reductions
-    (:func:`_reduce_weighted_values`), and, for a model with seed generators, with its window
+    (:func:`_reduce_weighted_values`), and, for a model with a layer that draws, with its window
     in the global batch, by which Keras' random draws take this rank's rows (:func:`_drawn`)."""
     def wrapper(self, data):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
@@ -244,13 +245,20 @@ def _draw_window(model, extended, rows: tf.Tensor | None) -> batch_draws.RowsWin
     """``model``'s rows window for a step of ``rows`` rows: agreed by the ranks (one tiny
     all-reduce) where the algorithm is lockstep, so that the draws are one process's; assumed
     without communication otherwise (SSP, EASGD: no collective in a step, and no one process
-    to equal), so that the ranks draw apart. None for a model without seed generators."""
-    if rows is None or not any(layer._seed_generators for layer in model._flatten_layers()):
+    to equal), so that the ranks draw apart. None for a model that never draws: no layer has a
+    seed generator but RNN cells without dropout (every Keras RNN cell has one)."""
+    if rows is None or not any(_may_draw(layer) for layer in model._flatten_layers()):
         return None
     rank, size, xla = extended._world.rank, extended._num_replicas_in_sync, _compiles(model)
     if extended.config.algorithm.lockstep:
         return batch_draws.agreed_window(rows, rank, size, xla, extended.sum_over_ranks)
     return batch_draws.assumed_window(rows, rank, size, xla)
+
+
+def _may_draw(layer) -> bool:
+    if isinstance(layer, keras_dropout_rnn_cell.DropoutRNNCell):
+        return bool(layer.dropout or layer.recurrent_dropout)
+    return bool(layer._seed_generators)
 
 
 def _drawn(by_rows):
