@@ -39,7 +39,7 @@ class RowsWindow:
     offset: tf.Tensor
     rows: tf.Tensor
     total: tf.Tensor
-    xla: bool = False
+    xla: bool
 
 
 def agreed_window(rows: tf.Tensor, rank: int, size: int, xla: bool,

@@ -264,11 +264,10 @@ def _may_draw(layer) -> bool:
 def _drawn(by_rows):
     """Keras' TensorFlow ``random.<name>`` as ``by_rows(window, *args, **kwargs)`` (the same
     arguments, the same draw of the seed) draws it where the replica context has a rows
-    window (a Keras step: :func:`_by_batch_share`)."""
+    window (a Keras step of a multi-rank strategy: :func:`_by_batch_share`)."""
     def wrap(original):
         def wrapper(*args, **kwargs):
-            window = (getattr(tf.distribute.get_replica_context(), "draw_window", None)
-                      if _poseidon_extended() is not None else None)
+            window = getattr(tf.distribute.get_replica_context(), "draw_window", None)
             if window is None:
                 return original(*args, **kwargs)
             return by_rows(window, *args, **kwargs)
