@@ -149,7 +149,8 @@ def test_a_peer_that_posts_nothing_times_out_naming_what_was_posted(monkeypatch)
 
 def run_end(behaviour_of_rank_0, monkeypatch, silence_s="1", limit_s="3600"):
     """Rank 1 reaches the end of its program at once; rank 0 runs ``behaviour_of_rank_0(comm)``
-    first. Returns (what rank 1's end_of_program returned or raised, its seconds)."""
+    first. Returns (what rank 1's end_of_program returned or raised, its seconds, the
+    ``time.monotonic()`` at which it returned)."""
     monkeypatch.setenv("TF_POSEIDON_TIMEOUT", silence_s)
     monkeypatch.setenv("TF_POSEIDON_MEETING_TIMEOUT", limit_s)
 
@@ -158,25 +159,33 @@ def run_end(behaviour_of_rank_0, monkeypatch, silence_s="1", limit_s="3600"):
             return behaviour_of_rank_0(comm)
         engine = CommEngine(comm)
         start = time.monotonic()
-        return post(engine, ("end",)), time.monotonic() - start
+        outcome = post(engine, ("end",))
+        finished = time.monotonic()
+        return outcome, finished - start, finished
 
     return LoopbackWorld(2, WORLD_TIMEOUT_S).run(rank_main)[1]
 
 
 def test_the_end_waits_for_a_peer_that_works_longer_than_the_step_timeout(monkeypatch):
+    reached_end = []
+
     def works_then_ends(comm):  # its engine thread answers while the rank works
         engine = CommEngine(comm)
         time.sleep(4)
+        reached_end.append(time.monotonic())
         return engine.end_of_program()
 
-    # A step timeout of 3 s: three heartbeats' intervals, for a busy machine's threads.
-    outcome, seconds = run_end(works_then_ends, monkeypatch, silence_s="3")
-    assert outcome is None and 4 <= seconds < 6, (outcome, seconds)
+    # A step timeout of 3 s: three heartbeats' intervals, for a busy machine's threads. Rank 1
+    # starts its clock when its own engine is up, a moment after rank 0's sleep may have begun,
+    # so what shows that it waited for rank 0 is that it returned after rank 0 reached its end.
+    outcome, seconds, finished = run_end(works_then_ends, monkeypatch, silence_s="3")
+    assert outcome is None and finished >= reached_end[0] and 3.5 < seconds < 6, (
+        outcome, seconds, finished - reached_end[0])
 
 
 def test_the_end_gives_up_on_a_silent_peer_after_the_step_timeout(monkeypatch):
     # No thread of rank 0 runs, as in a stopped process.
-    error, seconds = run_end(lambda comm: time.sleep(6), monkeypatch)
+    error, seconds, _ = run_end(lambda comm: time.sleep(6), monkeypatch)
     assert isinstance(error, CollectiveTimeoutError)
     assert str(error) == (
         "tf_poseidon: this rank has reached the end of its program and waits for rank 0, which "
@@ -190,7 +199,7 @@ def test_the_end_gives_up_on_a_peer_stuck_longer_than_the_meeting_limit(monkeypa
         CommEngine(comm)
         time.sleep(8)
 
-    error, seconds = run_end(stuck, monkeypatch, limit_s="3")
+    error, seconds, _ = run_end(stuck, monkeypatch, limit_s="3")
     assert isinstance(error, CollectiveTimeoutError)
     assert str(error) == (
         "tf_poseidon: this rank has reached the end of its program and has waited 3 s "
