@@ -1,5 +1,7 @@
 """batch_draws: a rank's rows of a random draw are one process's draw for the whole batch."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,10 +16,17 @@ def window(offset: int, rows: int, total: int, xla: bool = False) -> batch_draws
                                   xla)
 
 
-@pytest.mark.parametrize("fn, reference", [
-    (batch_draws.uniform, tf.random.stateless_uniform),
-    (batch_draws.normal, tf.random.stateless_normal)])
-@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32, tf.float64])
+FLOATS, INTEGERS = [tf.float16, tf.bfloat16, tf.float32, tf.float64], [tf.int32, tf.int64]
+DRAWS = [pytest.param(fn, reference, dtype, id=f"{name}-{dtype.name}")
+         for name, fn, reference, dtypes in [
+             ("uniform", batch_draws.uniform, tf.random.stateless_uniform, FLOATS),
+             ("normal", batch_draws.normal, tf.random.stateless_normal, FLOATS),
+             ("randint", functools.partial(batch_draws.randint, minval=-5, maxval=1000),
+              functools.partial(tf.random.stateless_uniform, minval=-5, maxval=1000), INTEGERS)]
+         for dtype in dtypes]
+
+
+@pytest.mark.parametrize("fn, reference, dtype", DRAWS)
 @pytest.mark.parametrize("xla", [False, True])
 def test_the_ranks_rows_make_up_one_process_draw(fn, reference, dtype, xla):
     # One process draws for the whole batch, compiled with XLA or not (XLA's values differ

@@ -13,7 +13,7 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,guide-bn,cnn-xla,stateful"
+CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,stateful"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def max_difference(a, b) -> float:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("config", ["guide", "guide-xla"])
+@pytest.mark.parametrize("config", ["guide", "guide-xla", "guide-draws"])
 def test_custom_train_step_metrics_are_global(jobs, config):
     single, two, _ = jobs
     reference = load(single, config, 0)

@@ -8,12 +8,13 @@ as Keras draws them, every rank would draw the same values for its rows: row i o
 slice would get one and the same mask, and no row the mask one process draws for it.
 
 TensorFlow's stateless Philox kernels compute element j of a draw from the key and the 128-bit
-counter + ⌊j/k⌋, one Philox block yielding k elements (4 for 16- and 32-bit floats, 2 for
-float64). So rows [a, a + n) of a draw of shape [B, *rest] are the draw of n·R elements
-(R = prod(rest)) from counter + ⌊a·R/k⌋, less its first a·R mod k elements: a rank draws only
-its own rows, bit for bit the values one process draws for them. XLA's uniform draws (other
-values than the kernels') have the same property, its normal draws not (:func:`normal`);
-tests/test_batch_draws.py checks each (docs/synchronization.md, "Random layers").
+counter + ⌊j/k⌋, one Philox block yielding k elements (4 for 16- and 32-bit floats and int32,
+2 for float64 and int64). So rows [a, a + n) of a draw of shape [B, *rest] are the draw of n·R
+elements (R = prod(rest)) from counter + ⌊a·R/k⌋, less its first a·R mod k elements: a rank
+draws only its own rows, bit for bit the values one process draws for them. XLA's uniform and
+integer draws (other values than the kernels') have the same property, its normal draws not
+(:func:`normal`); tests/test_batch_draws.py checks each (docs/synchronization.md, "Random
+layers").
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import gen_stateless_random_ops_v2, random_ops_util
 
-_ELEMENTS_PER_BLOCK = {tf.float64: 2}  # every other float dtype: 4
+_ELEMENTS_PER_BLOCK = {tf.float64: 2, tf.int64: 2}  # every other dtype: 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,20 @@ def uniform(shape, seed: tf.Tensor, dtype: tf.DType, window: RowsWindow,
                    window, separable_in_xla=True)
     minval, maxval = (tf.convert_to_tensor(v, dtype) for v in (minval, maxval))
     return tf.math.add(rnd * (maxval - minval), minval)  # as TensorFlow's, bit for bit
+
+
+def randint(shape, seed: tf.Tensor, dtype: tf.DType, window: RowsWindow, minval: int,
+            maxval: int) -> tf.Tensor:
+    """``tf.random.stateless_uniform(shape, seed, minval, maxval, dtype)`` (int32 or int64
+    ``dtype``), drawn by rows (:func:`_by_rows`). Any thread, in or out of a graph; no
+    communication."""
+    dtype = tf.as_dtype(dtype)
+    minval, maxval = (tf.convert_to_tensor(v, dtype) for v in (minval, maxval))
+
+    def draw(shape, key, counter, dtype, alg):
+        return gen_stateless_random_ops_v2.stateless_random_uniform_int_v2(
+            shape, key=key, counter=counter, alg=alg, minval=minval, maxval=maxval)
+    return _by_rows(draw, shape, seed, dtype, window, separable_in_xla=True)
 
 
 def normal(shape, seed: tf.Tensor, dtype: tf.DType, window: RowsWindow, mean: float = 0.0,

@@ -33,11 +33,13 @@ original unchanged:
   mask, "mean_with_sample_weight", "sum") is corrected where Keras reduces it (next item).
   Custom loops keep the TensorFlow convention instead (``tf.nn.compute_average_loss(
   per_example_loss, global_batch_size=B)`` is exact as it is) and get plain sums;
-* Keras' TensorFlow ``random.dropout``, ``random.uniform`` and ``random.normal``, in those steps
-  of a model with a layer that draws: each rank draws its rows of the draw one process makes for
-  the whole global batch (batch_draws.py; one tiny all-reduce of the ranks' row counts per
-  step), so Dropout masks, Gaussian noise and per-image augmentations are one process's
-  instead of the same for every rank's rows;
+* Keras' TensorFlow ``random.dropout``, ``uniform``, ``normal`` and ``randint``, in the train
+  and test steps (``_make_function``, below: Keras' own and a model's own) of a model with a
+  layer or a seed generator of its own that draws: each rank draws its rows of the draw one
+  process makes for the whole global batch (batch_draws.py; one tiny all-reduce of the ranks'
+  row counts per step), so Dropout masks, Gaussian noise, per-image augmentations and the
+  noise a custom ``train_step`` draws for its batch (a GAN's latent vectors) are one
+  process's instead of the same for every rank's rows;
 * ``keras.src.losses.loss.reduce_weighted_values``, in those steps of a lockstep algorithm:
   a loss divided by a normalizer that is not proportional to the rank's rows is multiplied by
   the factor that makes the batch-share weighted sum one process's loss (one tiny all-reduce
@@ -227,16 +229,12 @@ def _check_finite(original):
 def _by_batch_share(original):
     """Keras' train_step and test_step: run with this rank's row count in the replica context,
     which weights the step's gradient reduction and corrects its loss reductions
-    (:func:`_reduce_weighted_values`), and, for a model with a layer that draws, with its window
-    in the global batch, by which Keras' random draws take this rank's rows (:func:`_drawn`)."""
+    (:func:`_reduce_weighted_values`)."""
     def wrapper(self, data):
-        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
-        if extended is None:
+        if _poseidon_extended(getattr(self, "distribute_strategy", None)) is None:
             return original(self, data)
-        context = tf.distribute.get_replica_context()
-        rows = data_lib.batch_size_of(data)
-        with context.weighting_by_batch_share(rows), context.drawing_by_rows(
-                _draw_window(self, extended, rows)):
+        with tf.distribute.get_replica_context().weighting_by_batch_share(
+                data_lib.batch_size_of(data)):
             return original(self, data)
     return wrapper
 
@@ -264,7 +262,7 @@ def _may_draw(layer) -> bool:
 def _drawn(by_rows):
     """Keras' TensorFlow ``random.<name>`` as ``by_rows(window, *args, **kwargs)`` (the same
     arguments, the same draw of the seed) draws it where the replica context has a rows
-    window (a Keras step of a multi-rank strategy: :func:`_by_batch_share`)."""
+    window (a train or test step under a multi-rank strategy: :func:`_make_function`)."""
     def wrap(original):
         def wrapper(*args, **kwargs):
             window = getattr(tf.distribute.get_replica_context(), "draw_window", None)
@@ -294,6 +292,12 @@ def _uniform_by_rows(window, shape, minval=0.0, maxval=1.0, dtype=None, seed=Non
     dtype = dtype or keras_backend.floatx()
     return batch_draws.uniform(shape, _keras_seed(seed), dtype, window, tf.cast(minval, dtype),
                                tf.cast(maxval, dtype))
+
+
+def _randint_by_rows(window, shape, minval, maxval, dtype="int32", seed=None):
+    drawn_as = dtype if keras_backend.standardize_dtype(dtype) in ("int32", "int64") else "int64"
+    return tf.cast(batch_draws.randint(shape, _keras_seed(seed), drawn_as, window, minval,
+                                       maxval), dtype)
 
 
 def _normal_by_rows(window, shape, mean=0.0, stddev=1.0, dtype=None, seed=None):
@@ -583,12 +587,15 @@ def _make_function(original):
         training = step_function == self.train_step  # make_train_function's step
 
         def step(data):
+            rows = data_lib.batch_size_of(data)
             with _global_metric_results(self, extended), \
+                    tf.distribute.get_replica_context().drawing_by_rows(
+                        _draw_window(self, extended, rows)), \
                     (tf.xla.experimental.jit_scope() if compile_step
                      else contextlib.nullcontext()):
                 logs = step_function(data)
                 if training:
-                    extended.synchronize_state(self, data_lib.batch_size_of(data))
+                    extended.synchronize_state(self, rows)
                 return logs
 
         if not compile_step:
@@ -726,6 +733,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_random, "dropout", _drawn(_dropout_by_rows))
     _wrap(keras_tf_random, "uniform", _drawn(_uniform_by_rows))
     _wrap(keras_tf_random, "normal", _drawn(_normal_by_rows))
+    _wrap(keras_tf_random, "randint", _drawn(_randint_by_rows))
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)

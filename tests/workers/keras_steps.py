@@ -8,6 +8,9 @@ evaluated and, for the Sequential ones, predicted):
   guide        a subclassed model whose train_step/test_step update the compiled metrics
                and return {m.name: m.result()}
   guide-xla    the same with jit_compile=True
+  guide-draws  the same model with Dropout after its hidden layer, and a train_step that adds
+               noise of its own to the input (keras.random.normal, on pixels picked with
+               keras.random.randint, from a seed generator of the model)
   guide-bn     the same model with a BatchNormalization layer on its input (default mode: each
                rank normalizes with its own rows, the moving statistics are combined)
   cnn-xla      a Sequential CNN with Adam and jit_compile=True (Keras' own steps)
@@ -56,13 +59,16 @@ class GuideModel(keras.Model):
     ``unscaled_loss``, fed the loss as docs/synchronization.md shows for one process's value
     (as Keras' default step feeds its tracker). With ``batchnorm``, the flattened input is
     normalized by a BatchNormalization layer (``self.norm``): its moving mean depends on the
-    data only, not on the weights."""
+    data only, not on the weights. With ``draws``, a Dropout layer follows the hidden one and
+    the training step draws noise for its batch from the model's own seed generator."""
 
-    def __init__(self, batchnorm: bool = False):
+    def __init__(self, batchnorm: bool = False, draws: bool = False):
         super().__init__()
         self.flatten = keras.layers.Flatten()
         self.norm = keras.layers.BatchNormalization(momentum=0.9) if batchnorm else None
         self.hidden = keras.layers.Dense(32, activation="relu")
+        self.dropout = keras.layers.Dropout(0.3) if draws else None
+        self.noise = keras.random.SeedGenerator(5) if draws else None
         self.out = keras.layers.Dense(3)
         self.unscaled_loss = keras.metrics.Mean(name="unscaled_loss")
 
@@ -70,10 +76,14 @@ class GuideModel(keras.Model):
         x = self.flatten(x)
         if self.norm is not None:
             x = self.norm(x, training=training)
-        return self.out(self.hidden(x))
+        x = self.hidden(x)
+        return self.out(x if self.dropout is None else self.dropout(x, training=training))
 
     def train_step(self, data):
         x, y = data
+        if self.noise is not None:  # noise on about half of the pixels of each image
+            x = x + keras.random.normal(tf.shape(x), stddev=0.5, seed=self.noise) * tf.cast(
+                keras.random.randint(tf.shape(x), 0, 2, seed=self.noise), x.dtype)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             loss = self.compute_loss(y=y, y_pred=y_pred)
@@ -128,7 +138,8 @@ def run(strategy, config: str, out: str) -> None:
     keras.utils.set_random_seed(21)
     stateful = config == "stateful"
     with strategy.scope():
-        model = (GuideModel(batchnorm=config == "guide-bn") if config.startswith("guide")
+        model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
+                 if config.startswith("guide")
                  else stateful_lstm() if stateful else cnn())
         optimizer = (keras.optimizers.SGD(0.1, momentum=0.9) if config.startswith("guide")
                      else keras.optimizers.Adam(0.01))
