@@ -34,9 +34,18 @@ def test_reduce_and_gather_give_every_rank_the_same_exact_answer(tmp_path, one_p
     }
     for rank in range(ranks):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # all_gather's gradient, as TensorFlow's: a rank's rows get the sum over ranks of the
+        # gathered tensor's gradients at their places (rank q's loss weights row i by
+        # (q + 1)·(i + 1) and (q + 1)·10·(i + 1); rank r's r + 1 rows follow the lower ranks').
+        first, ranks_weight = rank * (rank + 1) // 2, ranks * (ranks + 1) // 2
+        gradient = [[ranks_weight * (i + 1.0), ranks_weight * 10.0 * (i + 1)]
+                    for i in range(first, first + rank + 1)]
         for how in ("eager", "function"):
             mismatch = report[how].pop("width_mismatch")
             assert "differ in a dimension other than the gathered axis" in mismatch, (rank, how)
+            for axis in (0, 1):
+                assert report[how].pop(f"all_gather_gradient_axis{axis}") == gradient, (
+                    rank, how, axis)
             assert report[how] == expected, (rank, how)
         # predict returns every sample in input order, as one process does: per-batch time
         # steps concatenated ragged-ly, ragged inputs split across ranks, ragged outputs.

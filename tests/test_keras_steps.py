@@ -13,7 +13,7 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,stateful"
+CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,stateful,retrieval"
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,15 @@ def test_a_stateful_rnn_built_with_the_ranks_batch_trains_like_one_process(jobs)
             assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)
         rows = reference["states"][30 * rank:30 * (rank + 1)]
         assert max_difference(rows, result["states"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multirank
+def test_in_batch_negatives_gathered_from_every_rank_train_like_one_process(jobs):
+    # Each rank's loss scores its queries against every rank's items: the item tower's
+    # gradient comes from every rank's loss, through all_gather's gradient.
+    single, two, _ = jobs
+    reference = load(single, "retrieval", 0)
+    assert max_difference(reference["weights"], reference["initial"]) > 0.1  # it trained
+    for rank in range(2):
+        result = load(two, "retrieval", rank)
+        assert max_difference(reference["weights"], result["weights"]) <= TOLERANCE, rank

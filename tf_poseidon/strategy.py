@@ -486,13 +486,39 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
         return self._strategy.extended.worker_devices
 
     def all_gather(self, value, axis, options=None):
-        """Every rank's ``value`` (nested) concatenated along ``axis`` in rank order."""
+        """Every rank's ``value`` (nested) concatenated along ``axis`` in rank order, every
+        rank alike (a collective). Differentiable as TensorFlow's ``ReplicaContext.all_gather``
+        is: the gradient of a rank's part is the sum over ranks of the gradients of the
+        gathered tensor at that part's place (in-batch negatives drawn from every rank's rows
+        train as in one process)."""
         del options
         extended = self._strategy.extended
         if not extended._distributed:
             return value
         return tf.nest.map_structure(
-            lambda v: extended.gather_along(tf.convert_to_tensor(v), axis), value)
+            lambda v: _differentiable_gather(extended, tf.convert_to_tensor(v), axis,
+                                             self.replica_id_in_sync_group), value)
+
+
+def _differentiable_gather(extended: PoseidonExtended, tensor: tf.Tensor, axis: int,
+                           rank: int) -> tf.Tensor:
+    """``extended.gather_along(tensor, axis)`` with TensorFlow's all-gather gradient: the
+    upstream gradients summed over ranks (gathered and summed in rank order, so that their
+    shape may be unknown when traced), then this rank's rows along ``axis``. Collective."""
+    if tensor.shape.rank == 0:  # a scalar gathers as one row
+        tensor, axis = tf.reshape(tensor, [1]), 0
+
+    @tf.custom_gradient
+    def gather(x):
+        def grad(dy):
+            summed = tf.reduce_sum(extended.gather_along(tf.convert_to_tensor(dy)[None], 0), 0)
+            rows = tf.shape(x)[axis]
+            counts = extended.gather_along(tf.reshape(rows, [1]), 0)
+            offset = tf.reduce_sum(counts[:rank])
+            return tf.gather(summed, tf.range(offset, offset + rows), axis=axis)
+        return extended.gather_along(x, axis), grad
+
+    return gather(tensor)
 
 
 keras_integration.install(PoseidonStrategy)

@@ -5,7 +5,8 @@ and for predict on inputs and outputs whose shapes vary:
 
 strategy.reduce (SUM, MEAN) of scalars and vectors, strategy.gather of rows that differ in
 number per rank (float32 and bfloat16; also with dimensions unknown at tracing time, and a
-mismatch of them that must fail on every rank), and a replica context's all_gather. Then
+mismatch of them that must fail on every rank), and a replica context's all_gather and its
+gradient. Then
 model.predict of a sequence model on batches whose time steps vary, of a model on ragged
 inputs, and of a model with ragged outputs. Writes OUT/rank<r>.json (collectives) and
 OUT/predict_rank<r>.npz (predictions; ragged ones as values and row lengths). Also runs as a
@@ -40,7 +41,26 @@ def collectives(strategy: tp.PoseidonStrategy, gather_unknown_width) -> dict:
         "gather_unknown_width": gather_unknown_width(tf.fill([tp.rank() + 1, 3], r)),
         "all_gather": strategy.run(
             lambda: tf.distribute.get_replica_context().all_gather(tf.constant([[r]]), axis=1)),
+        **{f"all_gather_gradient_axis{axis}": strategy.run(all_gather_gradient, args=(axis,))
+           for axis in (0, 1)},
     }
+
+
+def all_gather_gradient(axis: int) -> tf.Tensor:
+    """Replica context: the gradient of this rank's r + 1 rows of 2 (along ``axis``) through
+    all_gather, each rank's loss weighting the gathered rows by their place (row i: i + 1 and
+    10·(i + 1)) and by the rank (r + 1). Returned as rows."""
+    r = tp.rank()
+    rows = tf.fill([r + 1, 2], float(r))
+    part = tf.transpose(rows) if axis else rows
+    with tf.GradientTape() as tape:
+        tape.watch(part)
+        gathered = tf.distribute.get_replica_context().all_gather(part, axis)
+        all_rows = tf.transpose(gathered) if axis else gathered
+        place = (tf.range(tf.shape(all_rows)[0], dtype=tf.float32) + 1)[:, None] * [1.0, 10.0]
+        loss = (r + 1) * tf.reduce_sum(all_rows * place)
+    gradient = tape.gradient(loss, part)
+    return tf.transpose(gradient) if axis else gradient
 
 
 def width_mismatch(gather_unknown_width) -> str:

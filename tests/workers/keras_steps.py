@@ -19,6 +19,10 @@ evaluated and, for the Sequential ones, predicted):
   stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
                with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
                global batches (a stateful model takes no partial batch)
+  retrieval    two towers (the images' top and bottom rows) whose train_step scores each
+               query against the items of the whole global batch (in-batch negatives, every
+               rank's items through the replica context's all_gather); fit only (the
+               weights, and ``initial``: before fit)
 Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
 training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
 the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer),
@@ -133,7 +137,52 @@ def stateful_lstm() -> keras.Model:
         keras.layers.Reshape((8, 8)), keras.layers.LSTM(6, stateful=True), keras.layers.Dense(3)])
 
 
+class Retrieval(keras.Model):
+    """A two-tower retrieval model trained with in-batch negatives: a query's positive is the
+    item of its own row, its negatives every other item of the global batch, gathered from
+    every rank with ``all_gather`` (whose gradient reaches each rank's item tower)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flatten = keras.layers.Flatten()
+        self.query = keras.layers.Dense(8)
+        self.item = keras.layers.Dense(8)
+
+    def call(self, x):
+        return self.query(self.flatten(x[:, :4])), self.item(self.flatten(x[:, 4:]))
+
+    def train_step(self, data):
+        x, _ = data
+        context = tf.distribute.get_replica_context()
+        with tf.GradientTape() as tape:
+            queries, items = self(x)
+            rows = tf.shape(queries)[0]
+            first = tf.reduce_sum(  # this rank's rows' place in the global batch
+                context.all_gather(tf.reshape(rows, [1]), 0)[:context.replica_id_in_sync_group])
+            logits = tf.matmul(queries, context.all_gather(items, 0), transpose_b=True)
+            loss = tf.nn.compute_average_loss(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                first + tf.range(rows), logits), global_batch_size=GLOBAL_BATCH)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {"retrieval_loss": loss}
+
+
+def run_retrieval(strategy, out: str) -> None:
+    x, y = data()
+    keras.utils.set_random_seed(21)
+    with strategy.scope():
+        model = Retrieval()
+        model(x[:1])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    initial = np.concatenate([v.numpy().ravel() for v in model.weights])
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
+             initial=initial)
+
+
 def run(strategy, config: str, out: str) -> None:
+    if config == "retrieval":
+        return run_retrieval(strategy, out)
     x, y = data()
     keras.utils.set_random_seed(21)
     stateful = config == "stateful"
