@@ -266,10 +266,18 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     # -- variables ----------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        variable = super()._create_variable(next_creator, **kwargs)
         # Variables created inside a replica function (optimizer slots a custom loop creates
-        # in its first step) start equal on every rank by construction; only those created
-        # outside are broadcast from rank 0.
+        # in its first step, the layers of a model first called there) start equal on every
+        # rank by construction, their initializers drawing alike on every rank (not by rows);
+        # only those created outside are broadcast from rank 0.
+        initial = kwargs.get("initial_value")
+        context = tf.distribute.get_replica_context()
+        if getattr(context, "draw_window", None) is not None and callable(initial):
+            def drawn_alike():
+                with context.drawing_by_rows(None):
+                    return initial()
+            kwargs["initial_value"] = drawn_alike
+        variable = super()._create_variable(next_creator, **kwargs)
         if not self._replica_scope.depth:
             self._variables.append(variable)
         return variable
@@ -290,6 +298,10 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
         Before the first replica function (and whenever variables were created since), the
         ranks' variables are checked and rank 0's values broadcast: a blocking collective.
+        Where the arguments hold a batch (the first tensor of rank ≥ 1 gives its rows), Keras'
+        random draws take the rows of a window assumed from this rank's rows
+        (batch_draws.assumed_window: no communication, as ``run`` may run on some ranks only);
+        Keras' train and test functions set the ranks' agreed window within it.
         """
         self._sync_new_variables()
         strategy = self._container_strategy()
@@ -298,9 +310,13 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         tracing = (self.algorithm_impl.tracing_replica_function() if self._distributed
                    else contextlib.nullcontext())
         try:
-            with tf.device(self._device), _PoseidonReplicaContext(strategy, self._world.rank), \
-                    tracing:
-                return fn(*args, **(kwargs or {}))
+            with tf.device(self._device):
+                context = _PoseidonReplicaContext(strategy, self._world.rank)
+                rows = data_lib.batch_size_of((args, kwargs)) if self._distributed else None
+                with context, tracing, context.drawing_by_rows(None if rows is None else (
+                        batch_draws.assumed_window(rows, self._world.rank, self._world.size,
+                                                   xla=False))):
+                    return fn(*args, **(kwargs or {}))
         finally:
             scope.depth -= 1
 
@@ -450,8 +466,9 @@ class _PoseidonReplicaContext(distribute_lib.ReplicaContext):
 
     ``draw_window``: where this replica's rows sit in the step's global batch, when Keras'
     random draws are to take this rank's rows of the draw for the whole batch
-    (batch_draws.py; keras_integration sets it with :meth:`drawing_by_rows`); None draws
-    as Keras does.
+    (batch_draws.py; set with :meth:`drawing_by_rows`: assumed by ``run`` for a batch
+    argument, agreed by the ranks in keras_integration's train and test functions); None
+    draws as Keras does.
     """
 
     def __init__(self, strategy: PoseidonStrategy, rank: int):

@@ -87,7 +87,10 @@ def ragged_batches() -> tf.data.Dataset:
 
 
 class RaggedFeatures(keras.Model):
-    """Ragged rows in, dense predictions out: sum and length of each row through a Dense."""
+    """Ragged rows in, dense predictions out: sum and length of each row through a Dense.
+    Built by its first call, in predict's replica function: its 2x2 kernel is initialized
+    there, where at P=3 a rank's last batch has 2 rows, and must still start equal on every
+    rank (drawn alike, not by rows)."""
 
     def __init__(self):
         super().__init__()

@@ -7,7 +7,8 @@ Run under mpirun (or alone). Each run seeds every rank with its own rank, so ran
 values must reach the others for them to train in lockstep, and has its own strategy
 (``tp.PoseidonStrategy(**JSON)``). A configuration is MODEL-OPTIMIZER (``mlp-sgd``: Keras
 fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
-``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. Writes, on every
+``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. MODEL: mlp, cnn,
+or dropout (the MLP with Dropout and GaussianNoise). Writes, on every
 rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions, and
 OUT/stats_rank<r>.json (strategy.stats()["mode"]).
 """
@@ -42,6 +43,10 @@ def model_for(kind: str) -> keras.Model:
     if kind == "mlp":
         layers = [keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
                   keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    elif kind == "dropout":  # the MLP with random layers
+        layers = [keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
+                  keras.layers.Dropout(0.3), keras.layers.Dense(16, activation="relu"),
+                  keras.layers.GaussianNoise(0.2), keras.layers.Dense(3)]
     else:
         layers = [keras.Input((6, 6, 2)), keras.layers.Conv2D(8, 3, activation="relu"),
                   keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.Flatten(),
