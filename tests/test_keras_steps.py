@@ -13,7 +13,7 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,stateful,retrieval"
+CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,cnn-augmented,stateful,retrieval"
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,17 @@ def test_in_batch_negatives_gathered_from_every_rank_train_like_one_process(jobs
     for rank in range(2):
         result = load(two, "retrieval", rank)
         assert max_difference(reference["weights"], result["weights"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multirank
+def test_a_stateful_augmenting_pipeline_trains_like_one_process(jobs):
+    # Every rank runs the pipeline (RandomFlip mapped over the global batches, drawing from its
+    # seed generator's state) and takes its rows: one process's batches, provided the ranks read
+    # the pipeline as far ahead as one process (Keras peeks at a batch before fit's first epoch).
+    single, two, _ = jobs
+    reference = load(single, "cnn-augmented", 0)
+    assert max_difference(reference["weights"], load(single, "cnn-plain", 0)["weights"]) > 0.01
+    for rank in range(2):
+        result = load(two, "cnn-augmented", rank)
+        for key in ("weights", "loss", "accuracy", "batch_accuracy"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)

@@ -122,10 +122,17 @@ def distribute_global_batches(dataset: tf.data.Dataset, rank: int, size: int) ->
     def per_rank(*element):
         return slice_for_rank(element if elements_are_tuples else element[0], rank, size)
 
-    # No tf.data options: the slicing above is the sharding. (Setting auto_shard_policy, which
-    # only TensorFlow's own strategies read, would make TensorFlow warn on every rank each time
+    # No auto_shard_policy: the slicing above is the sharding. (Setting it, which only
+    # TensorFlow's own strategies read, would make TensorFlow warn on every rank each time
     # Keras' array adapter, which sets it to DATA, feeds fit, evaluate or predict.)
-    return dataset.map(per_rank, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # No automatic map parallelization: run in parallel, the slicing would read elements ahead
+    # of what one process reads, and an iterator Keras opens to peek at one batch (its
+    # symbolic build) would consume more of a stateful pipeline's draws (Keras augmentation
+    # layers mapped over the batches), shifting every later batch's draws. Maps given
+    # num_parallel_calls run in parallel as before.
+    options = tf.data.Options()
+    options.experimental_optimization.map_parallelization = False
+    return dataset.map(per_rank).with_options(options)
 
 
 def end_together(dataset: tf.data.Dataset,

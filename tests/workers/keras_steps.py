@@ -16,6 +16,8 @@ evaluated and, for the Sequential ones, predicted):
   cnn-xla      a Sequential CNN with Adam and jit_compile=True (Keras' own steps)
   cnn-plain    the same without XLA (only in a world of one: how far XLA alone moves the
                results, the scale the XLA comparison is measured against)
+  cnn-augmented  the CNN without XLA, fit on a tf.data pipeline of global batches that a
+               seeded RandomFlip layer augments (a stateful map: its seed generator's state)
   stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
                with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
                global batches (a stateful model takes no partial batch)
@@ -196,8 +198,13 @@ def run(strategy, config: str, out: str) -> None:
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"], jit_compile=config.endswith("xla"))
     batches = BatchLogs()
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[batches])
+    if config == "cnn-augmented":
+        flip = keras.layers.RandomFlip("horizontal", seed=3)
+        inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).map(
+            lambda images, labels: (flip(images, training=True), labels))}
+    else:
+        inputs = {"x": x, "y": y, "batch_size": GLOBAL_BATCH}
+    history = model.fit(**inputs, epochs=2, shuffle=False, verbose=0, callbacks=[batches])
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
     predicted = x[:2 * GLOBAL_BATCH] if stateful else x[:97]
     predictions = model.predict(predicted, batch_size=GLOBAL_BATCH, verbose=0)
