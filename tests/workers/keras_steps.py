@@ -169,24 +169,25 @@ class Retrieval(keras.Model):
         return {"retrieval_loss": loss}
 
 
-def run_retrieval(strategy, out: str) -> None:
-    x, y = data()
-    keras.utils.set_random_seed(21)
+def weights_of(model) -> np.ndarray:
+    return np.concatenate([v.numpy().ravel() for v in model.weights])
+
+
+def run_retrieval(strategy, x, y, out: str) -> None:
     with strategy.scope():
         model = Retrieval()
         model(x[:1])
         model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
-    initial = np.concatenate([v.numpy().ravel() for v in model.weights])
+    initial = weights_of(model)
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
-    np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
-             initial=initial)
+    np.savez(out, weights=weights_of(model), initial=initial)
 
 
 def run(strategy, config: str, out: str) -> None:
-    if config == "retrieval":
-        return run_retrieval(strategy, out)
     x, y = data()
     keras.utils.set_random_seed(21)
+    if config == "retrieval":
+        return run_retrieval(strategy, x, y, out)
     stateful = config == "stateful"
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
@@ -209,8 +210,8 @@ def run(strategy, config: str, out: str) -> None:
     predicted = x[:2 * GLOBAL_BATCH] if stateful else x[:97]
     predictions = model.predict(predicted, batch_size=GLOBAL_BATCH, verbose=0)
     norm = getattr(model, "norm", None)
-    np.savez(out, weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
-             loss=history.history["loss"], accuracy=history.history["accuracy"],
+    np.savez(out, weights=weights_of(model), loss=history.history["loss"],
+             accuracy=history.history["accuracy"],
              unscaled_loss=history.history.get("unscaled_loss", []),
              evaluation=[evaluation["loss"], evaluation["accuracy"]], predictions=predictions,
              batch_accuracy=batches.accuracy,
