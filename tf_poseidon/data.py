@@ -125,14 +125,7 @@ def distribute_global_batches(dataset: tf.data.Dataset, rank: int, size: int) ->
     # No auto_shard_policy: the slicing above is the sharding. (Setting it, which only
     # TensorFlow's own strategies read, would make TensorFlow warn on every rank each time
     # Keras' array adapter, which sets it to DATA, feeds fit, evaluate or predict.)
-    # No automatic map parallelization: run in parallel, the slicing would read elements ahead
-    # of what one process reads, and an iterator Keras opens to peek at one batch (its
-    # symbolic build) would consume more of a stateful pipeline's draws (Keras augmentation
-    # layers mapped over the batches), shifting every later batch's draws. Maps given
-    # num_parallel_calls run in parallel as before.
-    options = tf.data.Options()
-    options.experimental_optimization.map_parallelization = False
-    return dataset.map(per_rank).with_options(options)
+    return dataset.map(per_rank)
 
 
 def end_together(dataset: tf.data.Dataset,

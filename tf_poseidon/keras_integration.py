@@ -98,6 +98,13 @@ original unchanged:
   were given the same global data (batches per epoch, batch size, last batch's size, the seeds
   of a ``tf.data`` pipeline's shuffles; one small all-gather), or every rank raises saying what
   each got and what to do; a pipeline that shuffles without a seed is refused before that;
+* ``TensorFlowTrainer._maybe_symbolic_build`` (``fit``, ``evaluate``), under a PoseidonStrategy
+  of any size: Keras under a strategy pulls one batch from the input to build the model
+  symbolically, which plain Keras never does, and a pipeline that draws (an augmentation
+  mapped over the batches) would then go on from other draws. The build takes its shapes from
+  the distributed dataset's ``element_spec`` instead and pulls nothing; only a model that
+  cannot be built from those shapes (one a layer needs is unknown to tf.data, where plain
+  Keras could not build it either) is built from a batch Keras pulls, as before;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
@@ -696,6 +703,17 @@ def _end_pass(original):
     return wrapper
 
 
+def _symbolic_build_from_spec(original):
+    def wrapper(self, iterator=None, data_batch=None):
+        if iterator is None or not isinstance(self._distribute_strategy, _strategy_class):
+            return original(self, iterator=iterator, data_batch=data_batch)
+        try:  # the module docstring says why
+            return original(self, data_batch=iterator._distributed_dataset.element_spec)
+        except (ValueError, RuntimeError):  # a shape the model needs is unknown to tf.data
+            return original(self, iterator=iterator)
+    return wrapper
+
+
 def _epoch_dataset(original):
     def wrapper(self):
         extended = _poseidon_extended(self._distribute_strategy)
@@ -743,6 +761,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
     _wrap(keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator)
     _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)
+    _wrap(keras_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _symbolic_build_from_spec)
     _wrap(py_dataset_adapter.PyDatasetAdapter, "_finite_generator", _begin_pass)
     _wrap(py_dataset_adapter.OrderedEnqueuer, "_run", _begin_pass)
     _wrap(py_dataset_adapter.OrderedEnqueuer, "stop", _end_pass)

@@ -17,7 +17,11 @@ evaluated and, for the Sequential ones, predicted):
   cnn-plain    the same without XLA (only in a world of one: how far XLA alone moves the
                results, the scale the XLA comparison is measured against)
   cnn-augmented  the CNN without XLA, fit on a tf.data pipeline of global batches that a
-               seeded RandomFlip layer augments (a stateful map: its seed generator's state)
+               seeded RandomFlip layer augments (a stateful map: its seed generator's state),
+               a stateless map then scales (tf.data parallelizes it on its own) and a
+               prefetch ends
+  cnn-augmented-keras  the same in plain Keras, no strategy (only in a world of one: the
+               reference; Keras then never peeks at the pipeline before fit)
   stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
                with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
                global batches (a stateful model takes no partial batch)
@@ -186,6 +190,8 @@ def run_retrieval(strategy, x, y, out: str) -> None:
 def run(strategy, config: str, out: str) -> None:
     x, y = data()
     keras.utils.set_random_seed(21)
+    if config.endswith("-keras"):
+        strategy = tf.distribute.get_strategy()
     if config == "retrieval":
         return run_retrieval(strategy, x, y, out)
     stateful = config == "stateful"
@@ -199,10 +205,11 @@ def run(strategy, config: str, out: str) -> None:
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"], jit_compile=config.endswith("xla"))
     batches = BatchLogs()
-    if config == "cnn-augmented":
+    if config.startswith("cnn-augmented"):
         flip = keras.layers.RandomFlip("horizontal", seed=3)
         inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH).map(
-            lambda images, labels: (flip(images, training=True), labels))}
+            lambda images, labels: (flip(images, training=True), labels)).map(
+            lambda images, labels: (2.0 * images, labels)).prefetch(2)}
     else:
         inputs = {"x": x, "y": y, "batch_size": GLOBAL_BATCH}
     history = model.fit(**inputs, epochs=2, shuffle=False, verbose=0, callbacks=[batches])
