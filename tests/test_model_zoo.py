@@ -35,6 +35,12 @@ ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "tagger-sync
        "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3", "mp_mlp-sliced2",
        "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync", "two_io-sync",
        "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager"]
+# Models whose one-process run under the strategy is checked against plain Keras: one of each
+# feature the strategy touches in one process (building, random layers, masks, sparse
+# gradients, accumulation, several outputs, validation callbacks, PyDataset).
+PLAIN_KERAS = ["bn_cnn", "transformer", "rnn", "tagger", "wide_deep", "accum", "two_io",
+               "stopping", "pydataset"]
+ONE += [f"{name}-keras" for name in PLAIN_KERAS]
 TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16", "bn_cnn-ssp",
        "bn_cnn-easgd", "transformer-sync", "transformer-always", "transformer-fp16",
        "transformer-ssp", "transformer-easgd", "rnn-sync", "tagger-sync", "tagger_sum-sync",
@@ -142,6 +148,15 @@ EXACT = [("transformer-sync", 2), ("transformer-always", 2), ("rnn-sync", 2),
 XLA = [("wide_deep-xla", 2), ("accum-xla", 2), ("bn_cnn-sbnxla", 2)]
 EAGER = [("wide_deep-eager", 2), ("two_io-eager", 2), ("wide_deep-eager", 3)]
 STATE = ["trainable", "non_trainable", "optimizer", "loss", "evaluation"]
+
+
+@pytest.mark.parametrize("name", PLAIN_KERAS)
+def test_one_process_under_the_strategy_trains_as_plain_keras(jobs, name):
+    # Every other comparison's reference is one process under PoseidonStrategy; this ties it
+    # to plain Keras without a strategy (which, for one, never pulls a batch before fit).
+    reference = load(jobs(1), f"{name}-keras")
+    assert_close(reference, load(jobs(1), f"{name}-sync"), list(reference.files),
+                 f"{name}-sync")
 
 
 @pytest.mark.parametrize("entry,ranks", EXACT + XLA + EAGER)

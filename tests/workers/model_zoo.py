@@ -45,12 +45,13 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
   peak_metric  the MLP with a metric whose state variable has aggregation="none" (refused on
                several ranks)
 
-Variants: sync (mode="sync", sfb="auto"), sbn (sync + sync_batchnorm=True), always
-(sfb="always"), eager (sync with compile(run_eagerly=True)), xla and sbnxla (sync and sbn
-with compile(jit_compile=True)), sliced2 and sliced3 (one process only: each global batch's
-gradient summed from the gradients of the row slices that 2 or 3 ranks take, see
-sliced_train_step), and, trained for the first 12 steps only, fp16 (compression="fp16"), ssp
-(mode="ssp", staleness 1) and easgd (mode="easgd", tau 2, alpha 0.9/P).
+Variants: keras (plain Keras, no strategy; one process only), sync (mode="sync", sfb="auto"),
+sbn (sync + sync_batchnorm=True), always (sfb="always"), eager (sync with
+compile(run_eagerly=True)), xla and sbnxla (sync and sbn with compile(jit_compile=True)),
+sliced2 and sliced3 (one process only: each global batch's gradient summed from the gradients of
+the row slices that 2 or 3 ranks take, see sliced_train_step), and, trained for the first 12
+steps only, fp16 (compression="fp16"), ssp (mode="ssp", staleness 1) and easgd (mode="easgd",
+tau 2, alpha 0.9/P).
 
 Every rank seeds with 1000·rank + a fixed seed, so rank 0 seeds as a single process does and
 rank 0's initial values must reach the others, the seed generators' states among them: the
@@ -74,6 +75,7 @@ SavedModel's serving signature run on the predict inputs; rank 0, which writes i
 that raises writes OUT/<entry>_rank<r>.error with the traceback instead.
 """
 
+import contextlib
 import os
 import sys
 import traceback
@@ -427,7 +429,10 @@ SLICED = ("sliced2", "sliced3")
 EXPORTED = ("sync", "sbn", "always", "eager") + JIT + SLICED
 
 
-def strategy_for(variant: str) -> tp.PoseidonStrategy:
+def strategy_for(variant: str) -> tf.distribute.Strategy:
+    if variant == "keras":
+        assert tp.size() == 1, "plain Keras is the one-process reference"
+        return tf.distribute.get_strategy()
     options = {"sync": {}, "sliced2": {}, "sliced3": {}, "sbn": {"sync_batchnorm": True},
                "always": {"sfb": "always"}, "eager": {}, "xla": {},
                "sbnxla": {"sync_batchnorm": True},
@@ -504,7 +509,7 @@ def concatenated(variables) -> np.ndarray:
 def weights_of(model, strategy) -> dict:
     """``trainable``, ``non_trainable`` and ``optimizer`` values, each concatenated, read inside
     the strategy's consistent_state (what saving and exporting read)."""
-    with strategy.extended.consistent_state():
+    with getattr(strategy.extended, "consistent_state", contextlib.nullcontext)():
         return {"trainable": concatenated(model.trainable_weights),
                 "non_trainable": concatenated(model.non_trainable_weights),
                 "optimizer": concatenated(model.optimizer.variables)}
