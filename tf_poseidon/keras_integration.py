@@ -102,9 +102,9 @@ original unchanged:
   of any size: Keras under a strategy pulls one batch from the input to build the model
   symbolically, which plain Keras never does, and a pipeline that draws (an augmentation
   mapped over the batches) would then go on from other draws. The build takes its shapes from
-  the distributed dataset's ``element_spec`` instead and pulls nothing; only a model that
-  cannot be built from those shapes (one a layer needs is unknown to tf.data, where plain
-  Keras could not build it either) is built from a batch Keras pulls, as before;
+  the distributed dataset's ``element_spec`` instead and pulls nothing, unless a dimension
+  other than the batch's is unknown there (a model built from such shapes could differ from
+  one built from a batch, or fail where Keras' pull succeeds): then Keras pulls its batch;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
@@ -691,7 +691,9 @@ def _end_pass(original):
     """For an OrderedEnqueuer's stop: Keras keeps the batches fetched but not taken for its
     next run, which for a finite PyDataset starts a new pass from its first batch, so they
     would be served again, out of turn (Keras' model build under a strategy takes one batch
-    and stops the enqueuer). A finite pass of a multi-rank fit drops them."""
+    and stops the enqueuer: under PoseidonStrategy only for an input whose shapes tf.data does
+    not fully know, see _symbolic_build_from_spec). A finite pass of a multi-rank fit drops
+    them."""
     def wrapper(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if getattr(self, "tf_poseidon_passes", False):
@@ -707,10 +709,11 @@ def _symbolic_build_from_spec(original):
     def wrapper(self, iterator=None, data_batch=None):
         if iterator is None or not isinstance(self._distribute_strategy, _strategy_class):
             return original(self, iterator=iterator, data_batch=data_batch)
-        try:  # the module docstring says why
-            return original(self, data_batch=iterator._distributed_dataset.element_spec)
-        except (ValueError, RuntimeError):  # a shape the model needs is unknown to tf.data
-            return original(self, iterator=iterator)
+        spec = iterator._distributed_dataset.element_spec  # the module docstring says why
+        if all(s.shape.rank is not None and s.shape[1:].is_fully_defined()
+               for s in tf.nest.flatten(spec) if isinstance(s, tf.TypeSpec)):
+            return original(self, data_batch=spec)
+        return original(self, iterator=iterator)
     return wrapper
 
 
