@@ -13,13 +13,16 @@ import pytest
 from multirank import check, run_job
 
 TOLERANCE = 1e-5
-CONFIGS = "guide,guide-xla,guide-draws,guide-bn,cnn-xla,cnn-augmented,stateful,retrieval"
+CONFIGS = ("guide,guide-xla,guide-draws,guide-bn,cnn-xla,cnn-augmented,stateful,retrieval,"
+           "gan")
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     single = tmp_path_factory.mktemp("p1")
-    check(run_job(0, "keras_steps.py", str(single), CONFIGS + ",cnn-plain,cnn-augmented-keras")[0])
+    # Plain Keras (no strategy) is the reference of the configurations named <config>-keras.
+    check(run_job(0, "keras_steps.py", str(single),
+                  CONFIGS + ",cnn-plain,cnn-augmented-keras,gan-keras")[0])
     two = tmp_path_factory.mktemp("p2")
     dump = tmp_path_factory.mktemp("xla")
     check(run_job(2, "keras_steps.py", str(two), CONFIGS,
@@ -143,3 +146,16 @@ def test_a_stateful_augmenting_pipeline_trains_like_one_process(jobs):
         for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
                     "predictions"):
             assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
+
+@pytest.mark.multirank
+def test_the_guides_gan_trains_like_plain_keras(jobs):
+    # A model with no call() (Keras under a strategy could not build it: "Unable to
+    # automatically build the model"), two optimizers, latent vectors and label noise drawn by
+    # rows. The losses the step reports are local means / P, as under TensorFlow's strategies.
+    single, two, _ = jobs
+    reference = load(single, "gan-keras", 0)
+    for out, rank, ranks in ((single, 0, 1), (two, 0, 2), (two, 1, 2)):
+        result = load(out, "gan", rank)
+        assert max_difference(reference["weights"], result["weights"]) <= TOLERANCE, (ranks, rank)
+        for key in ("d_loss", "g_loss"):
+            assert max_difference(reference[key], ranks * result[key]) <= TOLERANCE, (ranks, key)

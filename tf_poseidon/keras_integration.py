@@ -104,7 +104,10 @@ original unchanged:
   mapped over the batches) would then go on from other draws. The build takes its shapes from
   the distributed dataset's ``element_spec`` instead and pulls nothing, unless a dimension
   other than the batch's is unknown there (a model built from such shapes could differ from
-  one built from a batch, or fail where Keras' pull succeeds): then Keras pulls its batch;
+  one built from a batch, or fail where Keras' pull succeeds): then Keras pulls its batch. A
+  model without a ``call()`` of its own (only a ``train_step``: the Keras guide's GAN), which
+  Keras under a strategy cannot build symbolically ("Unable to automatically build the
+  model"), is not: as in plain Keras, its parts are built when its step is traced;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
@@ -138,6 +141,7 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
 from keras.src.layers.rnn import dropout_rnn_cell as keras_dropout_rnn_cell
 from keras.src.losses import loss as keras_loss
+from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
 from keras.src.optimizers import sgd as keras_sgd
@@ -707,8 +711,12 @@ def _end_pass(original):
 
 def _symbolic_build_from_spec(original):
     def wrapper(self, iterator=None, data_batch=None):
-        if iterator is None or not isinstance(self._distribute_strategy, _strategy_class):
+        if not isinstance(self._distribute_strategy, _strategy_class):
             return original(self, iterator=iterator, data_batch=data_batch)
+        if type(self).call is keras_model.Model.call:
+            return None  # no call(): only a train_step (a GAN), built as it is traced
+        if iterator is None:
+            return original(self, data_batch=data_batch)
         spec = iterator._distributed_dataset.element_spec  # the module docstring says why
         if all(s.shape.rank is not None and s.shape[1:].is_fully_defined()
                for s in tf.nest.flatten(spec) if isinstance(s, tf.TypeSpec)):

@@ -29,6 +29,9 @@ evaluated and, for the Sequential ones, predicted):
                query against the items of the whole global batch (in-batch negatives, every
                rank's items through the replica context's all_gather); fit only (the
                weights, and ``initial``: before fit)
+  gan          the Keras guide's GAN (GAN below; no call() of its own), fit only (the
+               weights, History's d_loss and g_loss); gan-keras the same in plain Keras (only
+               in a world of one)
 Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
 training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
 the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer),
@@ -119,6 +122,62 @@ class GuideModel(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+class GAN(keras.Model):
+    """The Keras guide's GAN ("Customizing what happens in fit()", TensorFlow): a model with no
+    call() of its own whose train_step trains a discriminator and a generator, each with its
+    own optimizer, on latent vectors drawn for the batch from the model's seed generator. The
+    guide draws its label noise once for the concatenated (fake, real) labels, whose first
+    dimension is twice the rank's rows; here it is drawn for each half, so that each is a draw
+    by rows (docs/synchronization.md, "Random layers")."""
+
+    LATENT = 4
+
+    def __init__(self):
+        super().__init__()
+        self.discriminator = keras.Sequential([
+            keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1)])
+        self.generator = keras.Sequential([
+            keras.Input((self.LATENT,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(64)])
+        self.d_loss = keras.metrics.Mean(name="d_loss")
+        self.g_loss = keras.metrics.Mean(name="g_loss")
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    @property
+    def metrics(self):
+        return [self.d_loss, self.g_loss]
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def latent(self, rows):
+        return keras.random.normal((rows, self.LATENT), seed=self.seed_generator)
+
+    def labels(self, rows, value: float):
+        return value + 0.05 * keras.random.uniform((rows, 1), seed=self.seed_generator)
+
+    def train_step(self, real):
+        real = tf.reshape(real, (-1, 64))
+        rows = tf.shape(real)[0]
+        combined = tf.concat([self.generator(self.latent(rows)), real], 0)
+        labels = tf.concat([self.labels(rows, 1.0), self.labels(rows, 0.0)], 0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        weights = self.discriminator.trainable_weights
+        self.d_optimizer.apply_gradients(zip(tape.gradient(d_loss, weights), weights))
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(tf.zeros((rows, 1)),
+                                  self.discriminator(self.generator(self.latent(rows))))
+        weights = self.generator.trainable_weights
+        self.g_optimizer.apply_gradients(zip(tape.gradient(g_loss, weights), weights))
+        self.d_loss.update_state(d_loss)
+        self.g_loss.update_state(g_loss)
+        return {"d_loss": self.d_loss.result(), "g_loss": self.g_loss.result()}
+
+
 class BatchLogs(keras.callbacks.Callback):
     """The accuracy in the logs of every training batch (what progress bars show)."""
 
@@ -187,6 +246,15 @@ def run_retrieval(strategy, x, y, out: str) -> None:
     np.savez(out, weights=weights_of(model), initial=initial)
 
 
+def run_gan(strategy, x, out: str) -> None:
+    with strategy.scope():
+        model = GAN()
+        model.compile(keras.optimizers.Adam(0.002), keras.optimizers.Adam(0.002))
+    history = model.fit(x, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    np.savez(out, weights=weights_of(model), d_loss=history.history["d_loss"],
+             g_loss=history.history["g_loss"])
+
+
 def run(strategy, config: str, out: str) -> None:
     x, y = data()
     keras.utils.set_random_seed(21)
@@ -194,6 +262,8 @@ def run(strategy, config: str, out: str) -> None:
         strategy = tf.distribute.get_strategy()
     if config == "retrieval":
         return run_retrieval(strategy, x, y, out)
+    if config.startswith("gan"):
+        return run_gan(strategy, x, out)
     stateful = config == "stateful"
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
