@@ -14,7 +14,7 @@ from multirank import check, run_job
 
 TOLERANCE = 1e-5
 CONFIGS = ("guide,guide-xla,guide-draws,guide-bn,cnn-xla,cnn-augmented,stateful,retrieval,"
-           "gan")
+           "gan,augmenting-layers")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def jobs(tmp_path_factory):
     single = tmp_path_factory.mktemp("p1")
     # Plain Keras (no strategy) is the reference of the configurations named <config>-keras.
     check(run_job(0, "keras_steps.py", str(single),
-                  CONFIGS + ",cnn-plain,cnn-augmented-keras,gan-keras")[0])
+                  CONFIGS + ",cnn-plain,cnn-augmented-keras,gan-keras,augmenting-layers-keras")[0])
     two = tmp_path_factory.mktemp("p2")
     dump = tmp_path_factory.mktemp("xla")
     check(run_job(2, "keras_steps.py", str(two), CONFIGS,
@@ -146,6 +146,19 @@ def test_a_stateful_augmenting_pipeline_trains_like_one_process(jobs):
         for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
                     "predictions"):
             assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
+
+@pytest.mark.multirank
+def test_keras_augmentation_layers_in_the_model_train_like_plain_keras(jobs):
+    # Each layer draws its transformation per image, each rank its rows of one process's draw.
+    single, two, _ = jobs
+    reference = load(single, "augmenting-layers-keras", 0)
+    assert max_difference(reference["weights"], load(single, "cnn-plain", 0)["weights"]) > 0.01
+    for out, rank in ((single, 0), (two, 0), (two, 1)):
+        result = load(out, "augmenting-layers", rank)
+        for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
+                    "predictions"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
+
 
 @pytest.mark.multirank
 def test_the_guides_gan_trains_like_plain_keras(jobs):

@@ -22,6 +22,9 @@ evaluated and, for the Sequential ones, predicted):
                prefetch ends
   cnn-augmented-keras  the same in plain Keras, no strategy (only in a world of one: the
                reference; Keras then never peeks at the pipeline before fit)
+  augmenting-layers  the CNN without XLA whose first layers augment each image (RandomRotation,
+               RandomZoom, RandomTranslation, RandomContrast, RandomBrightness);
+               augmenting-layers-keras the same in plain Keras (only in a world of one)
   stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
                with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
                global batches (a stateful model takes no partial batch)
@@ -189,9 +192,13 @@ class BatchLogs(keras.callbacks.Callback):
         self.accuracy.append(float(logs["accuracy"]))
 
 
-def cnn() -> keras.Model:
+def cnn(augmenting: bool = False) -> keras.Model:
+    augmentation = [
+        keras.layers.RandomRotation(0.2), keras.layers.RandomZoom(0.2),
+        keras.layers.RandomTranslation(0.1, 0.1), keras.layers.RandomContrast(0.3),
+        keras.layers.RandomBrightness(0.2, value_range=(-4, 4))] if augmenting else []
     return keras.Sequential([
-        keras.Input((8, 8, 1)), keras.layers.Conv2D(6, 3, activation="relu"),
+        keras.Input((8, 8, 1)), *augmentation, keras.layers.Conv2D(6, 3, activation="relu"),
         keras.layers.MaxPooling2D(), keras.layers.Flatten(),
         keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
@@ -268,7 +275,8 @@ def run(strategy, config: str, out: str) -> None:
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
                  if config.startswith("guide")
-                 else stateful_lstm() if stateful else cnn())
+                 else stateful_lstm() if stateful
+                 else cnn(augmenting=config.startswith("augmenting-layers")))
         optimizer = (keras.optimizers.SGD(0.1, momentum=0.9) if config.startswith("guide")
                      else keras.optimizers.Adam(0.01))
         model.compile(optimizer=optimizer,
