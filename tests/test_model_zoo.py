@@ -33,8 +33,9 @@ ACCURACY_POINTS = 0.01
 ONE = ["bn_cnn-sync", "bn_cnn-xla", "transformer-sync", "rnn-sync", "tagger-sync",
        "tagger_sum-sync", "tagger_weighted-sync", "wide_deep-sync", "wide_deep-xla",
        "wide_deep_sgd-sync", "mp_cnn-sliced2", "mp_cnn-sliced3", "mp_mlp-sliced2",
-       "mp_mlp-sliced3", "accum-sync", "accum-xla", "accum_sgd-sync", "two_io-sync",
-       "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager"]
+       "mp_mlp-sliced3", "mp_cnn_bf16-sliced2", "accum-sync", "accum-xla", "accum_sgd-sync",
+       "two_io-sync", "bn_mlp-sync", "stopping-sync", "pydataset-sync", "wide_deep-eager",
+       "two_io-eager"]
 # Models whose one-process run under the strategy is checked against plain Keras: one of each
 # feature the strategy touches in one process (building, random layers, masks, sparse
 # gradients, accumulation, several outputs, validation callbacks, PyDataset).
@@ -45,9 +46,9 @@ TWO = ["bn_cnn-sync", "bn_cnn-sbn", "bn_cnn-xla", "bn_cnn-sbnxla", "bn_cnn-fp16"
        "bn_cnn-easgd", "transformer-sync", "transformer-always", "transformer-fp16",
        "transformer-ssp", "transformer-easgd", "rnn-sync", "tagger-sync", "tagger_sum-sync",
        "tagger_weighted-sync", "wide_deep-sync", "wide_deep-xla", "wide_deep_sgd-sync",
-       "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "accum-sync", "accum-xla", "accum_sgd-sync",
-       "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync",
-       "pydataset-sync", "wide_deep-eager", "two_io-eager", "peak_metric-sync"]
+       "mp_cnn-sync", "mp_cnn-xla", "mp_mlp-sync", "mp_cnn_bf16-sync", "accum-sync", "accum-xla",
+       "accum_sgd-sync", "two_io-sync", "bn_mlp-sync", "bn_mlp-sbn", "bn_mlp_synced-sync",
+       "stopping-sync", "pydataset-sync", "wide_deep-eager", "two_io-eager", "peak_metric-sync"]
 THREE = ["transformer-sync", "rnn-sync", "tagger-sync", "tagger_weighted-sync", "two_io-sync",
          "wide_deep-sync", "wide_deep_sgd-sync", "mp_cnn-sync", "mp_mlp-sync", "accum-sync",
          "accum_sgd-sync", "bn_mlp-sync", "bn_mlp-sbn", "bn_mlp_synced-sync", "stopping-sync",
@@ -189,11 +190,12 @@ def test_callbacks_on_validation_metrics_act_as_in_one_process(jobs, ranks):
 
 
 @pytest.mark.parametrize("name,ranks", [("mp_cnn", 2), ("mp_cnn", 3), ("mp_mlp", 2),
-                                        ("mp_mlp", 3)])
+                                        ("mp_mlp", 3), ("mp_cnn_bf16", 2)])
 def test_mixed_precision_equals_one_process_summing_the_ranks_slices(jobs, name, ranks):
     # The loss scale, its agreed finite check and the batch-share weighting of an uneven
-    # (mp_cnn) or empty (mp_mlp) last batch leave nothing but float16's rounding of each
-    # slice's weight gradients, which one process summing the same slices rounds alike.
+    # (mp_cnn) or empty (mp_mlp) last batch leave nothing but float16's (bfloat16's, without
+    # a loss scale) rounding of each slice's weight gradients, which one process summing the
+    # same slices rounds alike.
     assert_equals_one_process(jobs, f"{name}-sync", ranks, f"{name}-sliced{ranks}",
                               ["trainable", "optimizer", "evaluation"])
 

@@ -29,6 +29,7 @@ An entry is MODEL-VARIANT. Models (all Functional, all exported for serving):
                batch of 29 rows is split unevenly at P=2 and 3
   mp_mlp       an MLP under the mixed_float16 policy, SGD with momentum; the last global batch
                has one row (ranks without rows)
+  mp_cnn_bf16  mp_cnn under the mixed_bfloat16 policy (no loss scale)
   accum        the MLP with Adam(gradient_accumulation_steps=2); the last global batch has one
                row, so a rank's last micro-batch is empty; accum_sgd the same with SGD
   pydataset    the MLP with SGD and momentum fed by a keras.utils.PyDataset of global batches
@@ -357,16 +358,17 @@ def peak_metric():
     return model
 
 
-def mixed_precision(build):
-    """``build`` under the mixed_float16 policy (restored to float32 after), which wraps the
-    optimizer in a LossScaleOptimizer."""
+def mixed_precision(build, policy: str = "mixed_float16"):
+    """``build`` under ``policy`` (restored to float32 after); mixed_float16 wraps the
+    optimizer in a LossScaleOptimizer, mixed_bfloat16 does not."""
     def built():
-        keras.mixed_precision.set_global_policy("mixed_float16")
+        keras.mixed_precision.set_global_policy(policy)
         try:
             model = build()
         finally:
             keras.mixed_precision.set_global_policy("float32")
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer) == (
+            policy == "mixed_float16")
         return model
     return built
 
@@ -410,6 +412,7 @@ MODELS = {"bn_cnn": (bn_cnn, digits), "transformer": (transformer, token_data),
           "mp_cnn": (mixed_precision(cnn), image_data),
           "mp_mlp": (mixed_precision(lambda: mlp(keras.optimizers.SGD(0.05, momentum=0.9))),
                      mlp_data),
+          "mp_cnn_bf16": (mixed_precision(cnn, "mixed_bfloat16"), image_data),
           "accum": (lambda: mlp(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2)),
                     mlp_data),
           "accum_sgd": (lambda: mlp(keras.optimizers.SGD(0.1, momentum=0.9,
