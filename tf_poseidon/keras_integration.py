@@ -718,11 +718,16 @@ def _symbolic_build_from_spec(original):
         if iterator is None:
             return original(self, data_batch=data_batch)
         spec = iterator._distributed_dataset.element_spec  # the module docstring says why
-        if all(s.shape.rank is not None and s.shape[1:].is_fully_defined()
-               for s in tf.nest.flatten(spec) if isinstance(s, tf.TypeSpec)):
+        if all(_known_but_the_batch(s) for s in tf.nest.flatten(spec) if s is not None):
             return original(self, data_batch=spec)
         return original(self, iterator=iterator)
     return wrapper
+
+
+def _known_but_the_batch(spec) -> bool:
+    """Whether the type spec ``spec`` knows every dimension of its tensors but the first."""
+    shape = getattr(spec, "shape", None)
+    return shape is not None and shape.rank is not None and shape[1:].is_fully_defined()
 
 
 def _epoch_dataset(original):
@@ -745,7 +750,8 @@ def _epoch_dataset(original):
 
 def install(strategy_class: type) -> None:
     """Installs the wrappers described in the module docstring (once); they act for
-    ``strategy_class`` (PoseidonStrategy) with more than one rank."""
+    ``strategy_class`` (PoseidonStrategy) with more than one rank, or of any size where the
+    module docstring says so."""
     global _strategy_class
     if _strategy_class is not None:
         return
