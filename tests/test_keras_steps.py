@@ -133,28 +133,19 @@ def test_in_batch_negatives_gathered_from_every_rank_train_like_one_process(jobs
 
 
 @pytest.mark.multirank
-def test_a_stateful_augmenting_pipeline_trains_like_one_process(jobs):
-    # Every rank runs the pipeline (RandomFlip mapped over the global batches, drawing from its
-    # seed generator's state, then a stateless map and a prefetch) and takes its rows: plain
-    # Keras' batches, provided no rank pulls an element plain Keras does not (Keras under a
-    # strategy peeks at a batch before fit's first epoch; tf_poseidon builds from the spec).
+@pytest.mark.parametrize("config", ["cnn-augmented", "augmenting-layers"])
+def test_augmentation_trains_like_plain_keras(jobs, config):
+    # cnn-augmented: every rank runs the pipeline (RandomFlip mapped over the global batches,
+    # drawing from its seed generator's state, then a stateless map and a prefetch) and takes
+    # its rows: plain Keras' batches, provided no rank pulls an element plain Keras does not
+    # (Keras under a strategy peeks at a batch before fit's first epoch; tf_poseidon builds
+    # from the spec). augmenting-layers: each layer of the model draws its transformation per
+    # image, each rank its rows of one process's draw.
     single, two, _ = jobs
-    reference = load(single, "cnn-augmented-keras", 0)
+    reference = load(single, f"{config}-keras", 0)
     assert max_difference(reference["weights"], load(single, "cnn-plain", 0)["weights"]) > 0.01
     for out, rank in ((single, 0), (two, 0), (two, 1)):
-        result = load(out, "cnn-augmented", rank)
-        for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
-                    "predictions"):
-            assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
-
-@pytest.mark.multirank
-def test_keras_augmentation_layers_in_the_model_train_like_plain_keras(jobs):
-    # Each layer draws its transformation per image, each rank its rows of one process's draw.
-    single, two, _ = jobs
-    reference = load(single, "augmenting-layers-keras", 0)
-    assert max_difference(reference["weights"], load(single, "cnn-plain", 0)["weights"]) > 0.01
-    for out, rank in ((single, 0), (two, 0), (two, 1)):
-        result = load(out, "augmenting-layers", rank)
+        result = load(out, config, rank)
         for key in ("weights", "loss", "accuracy", "batch_accuracy", "evaluation",
                     "predictions"):
             assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
