@@ -1,9 +1,10 @@
 """tp.callbacks: rank 0 writes, atomically; a backup resumes exactly, at any number of ranks.
 
-Real jobs (tests/workers/checkpoint_train.py). One P=2 job trains the
-reference run (4 epochs with ModelCheckpoints and a BackupAndRestore), then a second run that
-every rank SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and
-P=3, and must end with the reference's weights and optimizer state. Checkpoint files are
+Real jobs (tests/workers/checkpoint_train.py). One P=2 job trains the reference run (4 epochs
+with ModelCheckpoints, a BackupAndRestore, and Keras' CSVLogger, which runs on rank 0 only;
+Keras' own ModelCheckpoint is refused first), then a second run that every rank
+SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and P=3, and
+must end with the reference's weights and optimizer state. Checkpoint files are
 loaded here, in a process that did not write them. SIGKILLs mid-save: the kill drills of
 tests/test_failures_and_logging.py. Automatic restarts (``tfposeidon-run --max-restarts``):
 after a lost rank, with and without a backup, and on fewer hosts (``--min-np``, on an
@@ -52,8 +53,43 @@ def test_only_rank0_writes_checkpoints(interrupted):
                                                   for e in range(1, EPOCHS + 1)]
     assert (rank0 / "best.keras").is_file()
     assert not (rank0 / "backup").exists(), "BackupAndRestore deletes its backup after fit"
-    assert os.listdir(rank1) == [], "rank 1 wrote files"
+    assert (rank0 / "log.csv").is_file()
+    assert os.listdir(rank1) == [], "rank 1 wrote files"  # its CSVLogger did not run
     assert not [n for n in os.listdir(rank0) if n.startswith(".tp-tmp-")]
+
+
+@pytest.mark.multirank
+def test_keras_csv_logger_on_rank0_logs_the_global_loss(interrupted):
+    with open(interrupted / "rank0" / "log.csv") as f:
+        rows = f.read().splitlines()
+    assert rows[0].startswith("epoch,loss,") and len(rows) == 1 + EPOCHS, rows
+    reference = np.load(interrupted / "reference_rank0.npz")["loss"]
+    assert max_difference([float(r.split(",")[1]) for r in rows[1:]], reference) <= 1e-6
+
+
+@pytest.mark.multirank
+def test_keras_own_checkpoint_callback_is_refused_naming_ours(interrupted):
+    for rank in range(2):
+        message = (interrupted / f"refused_rank{rank}.txt").read_text()
+        assert message.startswith("tf_poseidon: keras.callbacks.ModelCheckpoint in a "
+                                  "multi-rank fit"), message
+        assert "Use tp.callbacks.ModelCheckpoint, which takes the same arguments" in message
+
+
+def test_which_keras_callbacks_a_multi_rank_fit_runs_on_each_rank(tmp_path):
+    logs = [keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+            keras.callbacks.TensorBoard(str(tmp_path / "tensorboard"))]
+    others = [keras.callbacks.EarlyStopping(), tp_callbacks.ModelCheckpoint("a.keras"),
+              tp_callbacks.BackupAndRestore(str(tmp_path / "backup"))]
+    assert tp_callbacks.for_this_rank(logs + others, 0) == logs + others
+    assert tp_callbacks.for_this_rank(logs + others, 1) == others
+
+    class Mine(keras.callbacks.BackupAndRestore):
+        pass
+    with pytest.raises(ValueError, match=r"^tf_poseidon: test_which_keras_callbacks_a_multi_rank_"
+                                         r"fit_runs_on_each_rank.<locals>.Mine \(a keras\.callba"
+                                         r"cks\.BackupAndRestore\) in a multi-rank fit"):
+        tp_callbacks.for_this_rank(others + [Mine(str(tmp_path / "mine"))], 1)
 
 
 @pytest.mark.multirank

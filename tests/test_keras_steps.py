@@ -1,4 +1,5 @@
-"""A model's own train_step/test_step and compile(jit_compile=True) at P=2 vs one process.
+"""A model's own train_step/test_step, compile(jit_compile=True) and the *_on_batch methods at
+P=2 vs one process.
 
 tests/workers/keras_steps.py trains each configuration in one job per world size (even global
 batches: the guide's step averages its loss over the local rows, which is the global mean only
@@ -14,7 +15,7 @@ from multirank import check, run_job
 
 TOLERANCE = 1e-5
 CONFIGS = ("guide,guide-xla,guide-draws,guide-bn,cnn-xla,cnn-augmented,stateful,retrieval,"
-           "gan,augmenting-layers")
+           "gan,augmenting-layers,on-batch")
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +23,11 @@ def jobs(tmp_path_factory):
     single = tmp_path_factory.mktemp("p1")
     # Plain Keras (no strategy) is the reference of the configurations named <config>-keras.
     check(run_job(0, "keras_steps.py", str(single),
-                  CONFIGS + ",cnn-plain,cnn-augmented-keras,gan-keras,augmenting-layers-keras")[0])
+                  CONFIGS + ",cnn-plain,cnn-augmented-keras,gan-keras,augmenting-layers-keras,"
+                  "on-batch-keras")[0])
     two = tmp_path_factory.mktemp("p2")
     dump = tmp_path_factory.mktemp("xla")
-    check(run_job(2, "keras_steps.py", str(two), CONFIGS,
+    check(run_job(2, "keras_steps.py", str(two), CONFIGS + ",on-batch-mismatch,on-batch-easgd",
                   env={"KERAS_STEPS_XLA_DUMP": str(dump)})[0])
     return single, two, dump
 
@@ -163,3 +165,42 @@ def test_the_guides_gan_trains_like_plain_keras(jobs):
         assert max_difference(reference["weights"], result["weights"]) <= TOLERANCE, (ranks, rank)
         for key in ("d_loss", "g_loss"):
             assert max_difference(reference[key], ranks * result[key]) <= TOLERANCE, (ranks, key)
+
+
+@pytest.mark.multirank
+def test_on_batch_methods_take_the_global_batch_like_plain_keras(jobs):
+    # train_on_batch, test_on_batch and predict_on_batch take the global batch on every rank, as
+    # fit does: each rank runs its rows (24 and 25 of 49), its Dropout masks one process's for
+    # them, and class weights apply to its rows; predict_on_batch returns the batch's rows.
+    single, two, _ = jobs
+    reference = load(single, "on-batch-keras", 0)
+    for out, rank in ((single, 0), (two, 0), (two, 1)):
+        result = load(out, "on-batch", rank)
+        assert result["predictions"].shape == (49, 3), (out, rank)
+        for key in ("weights", "loss", "accuracy", "evaluation", "predictions"):
+            assert max_difference(reference[key], result[key]) <= TOLERANCE, (out, rank, key)
+
+
+@pytest.mark.multirank
+def test_test_and_predict_on_batch_give_evaluate_and_predict_results_under_easgd(jobs):
+    # EASGD's ranks are not in lockstep: their steps' metrics are each rank's own, and
+    # evaluate and predict use the center variables. test_on_batch and predict_on_batch give
+    # what evaluate and predict give for the same rows, on every rank.
+    _, two, _ = jobs
+    first = load(two, "on-batch-easgd", 0)
+    assert max_difference(first["weights"], load(two, "on-batch-easgd", 1)["weights"]) > 1e-4
+    for rank in range(2):
+        result = load(two, "on-batch-easgd", rank)
+        assert max_difference(result["evaluation"], result["evaluated"]) <= TOLERANCE, rank
+        assert max_difference(result["predictions"], result["predicted"]) <= TOLERANCE, rank
+        assert max_difference(result["evaluation"], first["evaluated"]) <= TOLERANCE, rank
+
+
+@pytest.mark.multirank
+def test_on_batch_methods_refuse_different_batches_on_the_ranks(jobs):
+    _, two, _ = jobs
+    for rank in range(2):
+        message = str(load(two, "on-batch-mismatch", rank)["message"])
+        assert "train_on_batch different batches (of the same shapes, (49, 8, 8, 1), (49,); " \
+               "other values)" in message, message
+        assert "seed NumPy alike on every rank" in message, message

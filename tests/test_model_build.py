@@ -3,8 +3,8 @@ no batch from the input before the first epoch, Keras under a strategy pulls one
 reads ahead of it) to build the model symbolically. tf_poseidon builds from the input's
 ``element_spec`` instead (keras_integration._symbolic_build_from_spec), so a pipeline is read
 exactly as plain Keras reads it; where tf.data does not know a dimension other than the
-batch's, the model is built from a pulled batch, as Keras does. The multi-rank form, an augmenting pipeline at P=2 against
-plain Keras, is tests/test_keras_steps.py's ``cnn-augmented``."""
+batch's, the model is built from a pulled batch, as Keras does. The multi-rank form, an
+augmenting pipeline at P=2 against plain Keras, is tests/test_keras_steps.py's ``cnn-augmented``."""
 
 import contextlib
 

@@ -301,6 +301,41 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         run_on_chief(self.model, delete, f"delete {self.backup_dir}")
 
 
+_WRITE_ON_EVERY_RANK = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+_LOGS_OF_RANK_0 = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard)
+
+
+def for_this_rank(callbacks, rank: int) -> list:
+    """The callbacks a multi-rank ``fit`` runs on ``rank``, of the ``callbacks`` its caller
+    passed (a list, or a ``keras.callbacks.CallbackList``, which is only checked; every rank
+    alike).
+
+    Raises ValueError for Keras' own ModelCheckpoint or BackupAndRestore (or a subclass not of
+    this module): every rank would write the same files, truncating them before each write (the
+    module docstring; docs/checkpoints.md). Keras' CSVLogger and TensorBoard run on rank 0
+    only: they write what the logs say, and the logs are the same on every rank (the global
+    metrics), so the other ranks would write the same rows into the same file, or event files
+    of their own beside rank 0's. Every other callback runs on every rank."""
+    given = list(getattr(callbacks, "callbacks", callbacks))
+    for callback in given:
+        if (isinstance(callback, _WRITE_ON_EVERY_RANK)
+                and not isinstance(callback, (ModelCheckpoint, BackupAndRestore))):
+            keras_name = next(c.__name__ for c in _WRITE_ON_EVERY_RANK
+                              if isinstance(callback, c))
+            given = (f"keras.callbacks.{keras_name}" if type(callback).__module__.startswith(
+                "keras.") else f"{type(callback).__qualname__} (a keras.callbacks.{keras_name})")
+            raise ValueError(
+                f"tf_poseidon: {given} in a multi-rank fit: Keras' {keras_name} writes the "
+                "same files from every rank "
+                "(concurrent writers of one file: h5py's lock error, or interleaved writes "
+                "without file locks) and truncates each before the new one is complete. Use "
+                f"tp.callbacks.{keras_name}, which takes the same arguments: rank 0 writes, "
+                "atomically (docs/checkpoints.md).")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks  # Keras' own container, which fit uses as it was built
+    return [c for c in given if rank == 0 or not isinstance(c, _LOGS_OF_RANK_0)]
+
+
 def _is_chief(model: keras.Model) -> bool:
     strategy = multi_rank_strategy(model)
     return strategy is None or strategy.extended.should_checkpoint

@@ -24,6 +24,7 @@ length, agreed once when the dataset is distributed, so every epoch ends on ever
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import random
 import secrets
@@ -234,14 +235,65 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             text += f", shuffled with seeds {d['shuffles']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
-    message = (f"the ranks were given different data ({sides}). fit, evaluate and predict "
-               "take the same global data on every rank and give each rank its share of every "
-               "batch: pass the same arrays or dataset to every rank, shuffled with the same "
-               "seed; to give each rank data of its own, use "
-               "strategy.distribute_datasets_from_function.")
+    _refuse_on_every_rank(
+        f"the ranks were given different data ({sides}). fit, evaluate and predict take the "
+        "same global data on every rank and give each rank its share of every batch: pass the "
+        "same arrays or dataset to every rank, shuffled with the same seed; to give each rank "
+        "data of its own, use strategy.distribute_datasets_from_function.",
+        lambda: gather(description))
+
+
+def global_batch_tensors(batch):
+    """``batch`` (a nested structure of arrays, tensors and None, as Keras' ``*_on_batch``
+    methods take it) with every array converted to a tensor, for :func:`slice_for_rank`."""
+    return tf.nest.map_structure(
+        lambda v: v if v is None or tf.is_tensor(v) else tf.convert_to_tensor(v), batch)
+
+
+def describe_batch(batch) -> list:
+    """What tells the ranks' batches apart, cheaply: for each tensor of ``batch``
+    (:func:`global_batch_tensors`), its dtype, its shape and a digest of at most 64 of its
+    values, evenly spaced (None for None)."""
+    def leaf(value):
+        if value is None:
+            return None
+        flat = (value.values if isinstance(value, tf.SparseTensor) else value.flat_values
+                if isinstance(value, tf.RaggedTensor) else tf.reshape(value, [-1]))
+        n = int(tf.size(flat))
+        picked = tf.gather(flat, np.unique(np.linspace(0, n - 1, min(n, 64), dtype=np.int64)))
+        digest = hashlib.blake2b(repr(picked.numpy().tolist()).encode(), digest_size=8)
+        return value.dtype.name, str(value.shape), digest.hexdigest()
+    return [leaf(v) for v in tf.nest.flatten(batch)]
+
+
+def check_same_batch(method: str, description: list, gather: Callable[[list], list]) -> None:
+    """Raises ValueError on every rank if the ranks gave ``method`` (``train_on_batch``,
+    ``test_on_batch``, ``predict_on_batch``) different batches (:func:`describe_batch`).
+    ``gather`` is a collective, as :func:`check_same_input`'s."""
+    everyone = gather(description)
+    if all(d == everyone[0] for d in everyone):
+        return
+    shapes = [[leaf[1] for leaf in d if leaf] for d in everyone]
+    sides = "; ".join(f"rank {r}: {', '.join(s)}" for r, s in enumerate(shapes))
+    what = (f"batches of different shapes ({sides})" if any(s != shapes[0] for s in shapes)
+            else f"different batches (of the same shapes, {', '.join(shapes[0])}; other values)")
+    _refuse_on_every_rank(
+        f"the ranks gave {method} {what}. Under PoseidonStrategy, train_on_batch, test_on_batch "
+        "and predict_on_batch take the global batch, the same on every rank, as fit does, and "
+        "each rank runs its share of the rows: pass every rank the same batch (for batches "
+        "drawn at random, seed NumPy alike on every rank, e.g. keras.utils.set_random_seed); "
+        "to train each rank on data of its own, use fit on "
+        "strategy.distribute_datasets_from_function.",
+        lambda: gather(description))
+
+
+def _refuse_on_every_rank(message: str, meet: Callable[[], object]) -> None:
+    """Prints ``message`` on this rank, meets the other ranks (``meet``: the collective the
+    check made, once more), then raises it: so every rank's output has the message before the
+    first rank to raise aborts the job."""
     sys.stderr.write(f"[tf_poseidon rank {world.rank()}] ValueError: {message}\n")
     sys.stderr.flush()
-    gather(description)
+    meet()
     raise ValueError(f"tf_poseidon: {message}")
 
 

@@ -88,7 +88,10 @@ original unchanged:
     process's whole-step function, so P ranks would not give one process's results
     (docs/synchronization.md);
 * ``fit`` first checks that the model was built and compiled under the strategy's scope
-  (scope_check.py), and ends with ``strategy.drain()`` (SSP applies its pending updates);
+  (scope_check.py), refuses Keras' own ModelCheckpoint and BackupAndRestore (every rank would
+  write the same files: ``tp.callbacks`` has their multi-rank forms) and runs Keras' CSVLogger
+  and TensorBoard on rank 0 only (callbacks.for_this_rank), and ends with
+  ``strategy.drain()`` (SSP applies its pending updates);
   ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
   EASGD uses the center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
@@ -108,6 +111,16 @@ original unchanged:
   model without a ``call()`` of its own (only a ``train_step``: the Keras guide's GAN), which
   Keras under a strategy cannot build symbolically ("Unable to automatically build the
   model"), is not: as in plain Keras, its parts are built when its step is traced;
+* ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``: Keras hands the batch as it
+  is to every replica, so each rank would run the whole batch (P ranks doing one process's
+  work), a Dropout would draw its masks as for a batch P times as large, and
+  ``predict_on_batch`` would return the batch's predictions P times over. The batch is taken
+  as the global batch instead, the same on every rank as ``fit``'s data is (in a lockstep
+  algorithm the ranks check that it is: one small all-gather of each batch's shapes and a
+  digest of a sample of its values, or every rank raises), and each rank runs its rows of it
+  (data.slice_for_rank); ``test_on_batch`` and ``predict_on_batch`` run inside
+  ``consistent_state()``, as ``evaluate`` and ``predict`` do, and ``test_on_batch`` returns
+  the metrics of the whole batch also where the algorithm is not lockstep;
 * ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
   ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
   in an epoch, others never). The shuffled dataset is rebuilt for every epoch
@@ -129,6 +142,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import queue
 import threading
 
@@ -149,8 +163,10 @@ from keras.src.random import seed_generator as keras_seed_generator
 from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
+from keras.src.utils import python_utils as keras_python_utils
 
 from tf_poseidon import batch_draws, batchnorm
+from tf_poseidon import callbacks as callbacks_lib
 from tf_poseidon import data as data_lib
 from tf_poseidon import scope_check
 from tf_poseidon import timeouts
@@ -462,12 +478,19 @@ def _batchnorm_moments(original):
 
 
 def _fit(original):
+    signature = inspect.signature(original)
+
     def wrapper(self, *args, **kwargs):
         scope_check.check_model_in_scope(self, _strategy_class)
-        history = original(self, *args, **kwargs)
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
-        if extended is not None:
-            extended.drain()
+        if extended is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("callbacks") is not None:
+            bound.arguments["callbacks"] = callbacks_lib.for_this_rank(
+                bound.arguments["callbacks"], extended._world.rank)
+        history = original(*bound.args, **bound.kwargs)
+        extended.drain()
         return history
     return wrapper
 
@@ -479,6 +502,38 @@ def _in_consistent_state(original):
             return original(self, *args, **kwargs)
         with extended.consistent_state():
             return original(self, *args, **kwargs)
+    return wrapper
+
+
+def _on_global_batch(original):
+    """``train_on_batch``, ``test_on_batch`` and ``predict_on_batch``: the batch is the global
+    batch, the same on every rank (checked, in a lockstep algorithm: one small all-gather), and
+    each rank runs its rows of it (data.slice_for_rank), as ``fit`` runs its share of every
+    batch."""
+    signature = inspect.signature(original)
+
+    def wrapper(self, *args, **kwargs):
+        extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
+        if extended is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        names = [name for name in ("x", "y", "sample_weight") if name in bound.arguments]
+        batch = data_lib.global_batch_tensors([bound.arguments[name] for name in names])
+        if extended.config.algorithm.lockstep:
+            engine = extended.engine
+            data_lib.check_same_batch(
+                original.__name__, data_lib.describe_batch(batch),
+                lambda d: engine.call(lambda comm: comm.allgather(d), label="the batch"))
+        rows = data_lib.slice_for_rank(batch, extended._world.rank, extended._world.size)
+        bound.arguments.update(zip(names, rows))
+        if original.__name__ != "test_on_batch" or extended.config.algorithm.lockstep:
+            return original(*bound.args, **bound.kwargs)
+        # Not in lockstep, a step's metrics are the rank's own (_get_metrics_result); combined
+        # after the step, they are the whole batch's, as evaluate's are.
+        return_dict, bound.arguments["return_dict"] = bound.arguments.get("return_dict"), True
+        original(*bound.args, **bound.kwargs)
+        logs = keras_python_utils.pythonify_logs(self.get_metrics_result())
+        return logs if return_dict else self._flatten_metrics_in_order(logs)
     return wrapper
 
 
@@ -775,6 +830,10 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
+    for method in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+        _wrap(keras_tf_trainer.TensorFlowTrainer, method, _on_global_batch)
+    for method in ("test_on_batch", "predict_on_batch"):
+        _wrap(keras_tf_trainer.TensorFlowTrainer, method, _in_consistent_state)
     _wrap(keras_tf_trainer, "reduce_per_replica", _reduce_per_replica)
     _wrap(keras_tf_trainer.TFEpochIterator, "__init__", _epoch_iterator)
     _wrap(keras_tf_trainer.TFEpochIterator, "_get_iterator", _epoch_dataset)

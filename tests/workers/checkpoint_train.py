@@ -8,9 +8,11 @@ Every rank works in OUT/rank<r>/ (its own working directory, so a file a non-chi
 through a relative path would show up there) and seeds with its own rank (rank 0's initial
 values, or the restored backup, must reach the others); every model starts from that seed.
 
-* ``--reference``: trains EPOCHS epochs uninterrupted with two ModelCheckpoints (relative paths
-  ``ckpt/epoch<e>.weights.h5`` and ``best.keras``) and a BackupAndRestore (``backup``, deleted
-  at the end); writes OUT/reference_rank<r>.npz.
+* ``--reference``: first a fit with Keras' own ModelCheckpoint (refused: its message, or ""
+  if it trained, in OUT/refused_rank<r>.txt); then trains EPOCHS epochs uninterrupted with two
+  ModelCheckpoints (relative paths ``ckpt/epoch<e>.weights.h5`` and ``best.keras``), a
+  BackupAndRestore (``backup``, deleted at the end) and Keras' CSVLogger (``log.csv``);
+  writes OUT/reference_rank<r>.npz.
 * ``--backup DIR``: then trains a fresh model with BackupAndRestore(DIR) (resuming from it if
   it holds a backup); with ``--interrupt-after K`` every rank SIGKILLs itself at the end of
   epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
@@ -121,10 +123,19 @@ def main():
     os.chdir(workdir)
     strategy = tp.PoseidonStrategy()
     if args.reference:
+        try:
+            new_model(strategy).fit(*data(), callbacks=[keras.callbacks.ModelCheckpoint(
+                "keras.weights.h5", save_weights_only=True)], verbose=0)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        with open(os.path.join(out, f"refused_rank{tp.rank()}.txt"), "w") as f:
+            f.write(refused)
         callbacks = [
             tp_callbacks.ModelCheckpoint("ckpt/epoch{epoch}.weights.h5", save_weights_only=True),
             tp_callbacks.ModelCheckpoint("best.keras", monitor="loss", save_best_only=True),
             tp_callbacks.BackupAndRestore("backup"),
+            keras.callbacks.CSVLogger("log.csv"),
         ]
         train(new_model(strategy), callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
     if args.backup:

@@ -35,6 +35,13 @@ evaluated and, for the Sequential ones, predicted):
   gan          the Keras guide's GAN (GAN below; no call() of its own), fit only (the
                weights, History's d_loss and g_loss); gan-keras the same in plain Keras (only
                in a world of one)
+  on-batch     an MLP with Dropout trained by 12 train_on_batch calls on batches of 49 rows
+               drawn with a seeded NumPy generator (every other call with a class_weight),
+               then test_on_batch and predict_on_batch on 49 rows, and evaluate and predict
+               on them (``evaluated``, ``predicted``); on-batch-keras the same in plain Keras
+               (only in a world of one); on-batch-easgd the same under EASGD (tau=2)
+  on-batch-mismatch  one train_on_batch call with each rank's own rows (``message``: the
+               ValueError's text, "" if none was raised)
 Writes OUT/<config>_rank<r>.npz on every rank: the weights, History's loss and accuracy, each
 training batch's accuracy, evaluate's results, predict's outputs (gathered from every rank),
 the non-trainable weights (``non_trainable``; ``moving_mean`` of the guide's BN layer),
@@ -60,6 +67,7 @@ import tensorflow as tf  # noqa: E402
 
 GLOBAL_BATCH = 60
 ROWS = 600
+ON_BATCH = 49  # an odd batch: the ranks' shares differ at P=2
 
 
 def data():
@@ -262,6 +270,36 @@ def run_gan(strategy, x, out: str) -> None:
              g_loss=history.history["g_loss"])
 
 
+def run_on_batch(strategy, x, y, out: str, mismatch: bool) -> None:
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                  keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dropout(0.3), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    if mismatch:  # each rank its own rows, as a Horovod script passes its shard's batches
+        try:
+            model.train_on_batch(x[tp.rank():tp.rank() + ON_BATCH], y[tp.rank():][:ON_BATCH])
+        except ValueError as e:
+            return np.savez(out, message=str(e))
+        return np.savez(out, message="")
+    rng, logs = np.random.default_rng(5), []  # seeded alike on every rank
+    for step in range(12):
+        rows = rng.integers(0, ROWS, ON_BATCH)
+        weights = {"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}} if step % 2 else {}
+        logs.append(model.train_on_batch(x[rows], y[rows], return_dict=True, **weights))
+    tested = model.test_on_batch(x[:ON_BATCH], y[:ON_BATCH], return_dict=True)
+    evaluated = model.evaluate(x[:ON_BATCH], y[:ON_BATCH], batch_size=ON_BATCH, verbose=0,
+                               return_dict=True)
+    np.savez(out, weights=weights_of(model), loss=[log["loss"] for log in logs],
+             accuracy=[log["accuracy"] for log in logs],
+             evaluation=[tested["loss"], tested["accuracy"]],
+             evaluated=[evaluated["loss"], evaluated["accuracy"]],
+             predictions=model.predict_on_batch(x[:ON_BATCH]),
+             predicted=model.predict(x[:ON_BATCH], batch_size=ON_BATCH, verbose=0))
+
+
 def run(strategy, config: str, out: str) -> None:
     x, y = data()
     keras.utils.set_random_seed(21)
@@ -271,6 +309,10 @@ def run(strategy, config: str, out: str) -> None:
         return run_retrieval(strategy, x, y, out)
     if config.startswith("gan"):
         return run_gan(strategy, x, out)
+    if config.startswith("on-batch"):
+        if config == "on-batch-easgd":
+            strategy = tp.PoseidonStrategy(algorithm=tp.algorithms.EASGD(tau=2))
+        return run_on_batch(strategy, x, y, out, mismatch=config == "on-batch-mismatch")
     stateful = config == "stateful"
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
