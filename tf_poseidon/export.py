@@ -1,7 +1,8 @@
 """Writing a model out of a job: rank 0 writes, atomically, from a consistent state.
 
 Everything that writes model state to disk (``export_for_serving`` here, the callbacks in
-callbacks.py) follows one protocol, made of the three pieces of this module:
+callbacks.py, Keras' ``Model.save`` and ``save_weights`` under a multi-process strategy through
+:func:`save_on_chief`) follows one protocol, made of the three pieces of this module:
 
 * :func:`consistent_state` — every rank enters ``strategy.extended.consistent_state()``, so the
   model's variables hold the state to save (SSP drains, EASGD swaps the center in);
@@ -22,6 +23,7 @@ import contextlib
 import os
 import re
 import shutil
+import threading
 from typing import Callable, ContextManager, Iterator
 
 import keras
@@ -54,6 +56,17 @@ def consistent_state(model: keras.Model) -> ContextManager[None]:
     return strategy.extended.consistent_state() if strategy else contextlib.nullcontext()
 
 
+class _ChiefWrites(threading.local):
+    """Whether this thread runs rank 0's work for :func:`run_on_chief`: a ``model.save``
+    there (tp.callbacks' writes, a Keras ``save`` calling ``save_weights``) writes as it is,
+    instead of starting a collective of its own (:func:`save_on_chief`)."""
+
+    active = False
+
+
+_chief_writes = _ChiefWrites()
+
+
 def run_on_chief(model: keras.Model, work: Callable[[], int], what: str) -> int:
     """Runs ``work()`` on rank 0 only; returns its result (an int ≥ 0) on every rank.
 
@@ -64,10 +77,41 @@ def run_on_chief(model: keras.Model, work: Callable[[], int], what: str) -> int:
     every other rank raises RuntimeError naming ``what`` (rank 0's output holds the reason).
     Without such a strategy ``work`` simply runs here.
     """
+    def flagged() -> int:
+        outer, _chief_writes.active = _chief_writes.active, True
+        try:
+            return work()
+        finally:
+            _chief_writes.active = outer
+
     strategy = multi_rank_strategy(model)
     if strategy is None:
-        return work()
-    return chief.run(strategy.extended.engine, work, what)
+        return flagged()
+    return chief.run(strategy.extended.engine, flagged, what)
+
+
+def save_on_chief(model: keras.Model, save: Callable[[str], object], filepath: str,
+                  what: str, atomic: bool = True) -> None:
+    """``save(path)`` (Keras' ``model.save``, ``save_weights``, ...) writing ``filepath``, on
+    rank 0 only, from the consistent state: collective and blocking under a multi-process
+    PoseidonStrategy (:func:`consistent_state`, :func:`run_on_chief`: every rank returns once
+    the file is in place). ``atomic``: ``path`` is a temporary beside ``filepath``
+    (:func:`atomic_path`); else ``filepath`` itself (a write of several files: sharded
+    weights). Within rank 0's work of :func:`run_on_chief` (a write under way) it just writes.
+    """
+    def write() -> int:
+        if not atomic:
+            save(filepath)
+            return 0
+        with atomic_path(filepath) as temp:
+            save(temp)
+        return 0
+
+    if _chief_writes.active:
+        save(filepath)
+        return
+    with consistent_state(model):
+        run_on_chief(model, write, what)
 
 
 def _fsync(path: str) -> None:

@@ -12,7 +12,8 @@ values, or the restored backup, must reach the others); every model starts from 
   if it trained, in OUT/refused_rank<r>.txt); then trains EPOCHS epochs uninterrupted with two
   ModelCheckpoints (relative paths ``ckpt/epoch<e>.weights.h5`` and ``best.keras``), a
   BackupAndRestore (``backup``, deleted at the end) and Keras' CSVLogger (``log.csv``);
-  writes OUT/reference_rank<r>.npz.
+  writes OUT/reference_rank<r>.npz; then Keras' ``model.save("final.keras")`` and
+  ``model.save_weights("final.weights.h5")``.
 * ``--backup DIR``: then trains a fresh model with BackupAndRestore(DIR) (resuming from it if
   it holds a backup); with ``--interrupt-after K`` every rank SIGKILLs itself at the end of
   epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
@@ -137,7 +138,10 @@ def main():
             tp_callbacks.BackupAndRestore("backup"),
             keras.callbacks.CSVLogger("log.csv"),
         ]
-        train(new_model(strategy), callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
+        model = new_model(strategy)
+        train(model, callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
+        model.save("final.keras")  # every rank, as a Keras script ends
+        model.save_weights("final.weights.h5")
     if args.backup:
         callbacks = [tp_callbacks.BackupAndRestore(args.backup,
                                                    save_freq=args.save_freq or "epoch")]

@@ -128,8 +128,9 @@ def mismatch_message(sides: Sequence[tuple[str, str]], training: Collection[str]
     posted = {what for what, _ in sides}
     if END_OF_PROGRAM in posted:
         message += (" A rank reached the end of its program while another still communicated: "
-                    "code that runs fit/evaluate/predict or a strategy.reduce on some ranks "
-                    "only (e.g. under `if tp.is_chief():`) must run on every rank.")
+                    "code that runs fit/evaluate/predict, model.save/save_weights or a "
+                    "strategy.reduce on some ranks only (e.g. under `if tp.is_chief():`) must "
+                    "run on every rank.")
     elif posted & {*training, *STEP_GROUPS}:
         message += (" One rank was still training while another had moved on: the ranks ran "
                     "different numbers of steps (different data on each rank: pass the same "
