@@ -2,8 +2,8 @@
 
 Real jobs (tests/workers/checkpoint_train.py). One P=2 job trains the reference run (4 epochs
 with ModelCheckpoints, a BackupAndRestore, and Keras' CSVLogger, which runs on rank 0 only;
-Keras' own ModelCheckpoint is refused first; then every rank calls Keras' ``model.save`` and
-``save_weights``, which rank 0 alone writes), then a second run that every rank
+Keras' own ModelCheckpoint is refused first; then every rank calls Keras' ``model.save``,
+``save_weights`` and ``export``, which rank 0 alone writes), then a second run that every rank
 SIGKILLs after epoch 2; copies of its backup are resumed at P=1 (no launcher) and P=3, and
 must end with the reference's weights and optimizer state. Checkpoint files are
 loaded here, in a process that did not write them. SIGKILLs mid-save: the kill drills of
@@ -56,6 +56,7 @@ def test_only_rank0_writes_checkpoints(interrupted):
     assert not (rank0 / "backup").exists(), "BackupAndRestore deletes its backup after fit"
     assert (rank0 / "log.csv").is_file()
     assert (rank0 / "final.keras").is_file() and (rank0 / "final.weights.h5").is_file()
+    assert (rank0 / "final_saved_model" / "saved_model.pb").is_file()
     # Rank 1 wrote nothing: neither with its CSVLogger nor with model.save or save_weights.
     assert os.listdir(rank1) == [], "rank 1 wrote files"
     assert not [n for n in os.listdir(rank0) if n.startswith(".tp-tmp-")]

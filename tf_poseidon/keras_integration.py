@@ -111,12 +111,12 @@ original unchanged:
   model without a ``call()`` of its own (only a ``train_step``: the Keras guide's GAN), which
   Keras under a strategy cannot build symbolically ("Unable to automatically build the
   model"), is not: as in plain Keras, its parts are built when its step is traced;
-* ``Model.save`` and ``Model.save_weights``: Keras writes the file from every process, so
+* ``Model.save``, ``save_weights`` and ``export``: Keras writes from every process, so
   every rank would write the same path at once (h5py's lock error ends the job, or the writes
   interleave) and each write truncates the file before the new one is complete. Every rank
   still calls them (collective and blocking, as ``tp.callbacks`` and
-  ``tp.export_for_serving``); rank 0 writes, from ``consistent_state()``, atomically, and
-  every rank returns once the file is in place (export.save_on_chief);
+  ``tp.export_for_serving``); rank 0 writes, from ``consistent_state()`` (one file
+  atomically), and every rank returns once the write is complete (export.save_on_chief);
 * ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``: Keras hands the batch as it
   is to every replica, so each rank would run the whole batch (P ranks doing one process's
   work), a Dropout would draw its masks as for a batch P times as large, and
@@ -504,11 +504,12 @@ def _fit(original):
 
 
 def _saved_by_rank0(original):
-    """``Model.save`` and ``Model.save_weights`` under a multi-process PoseidonStrategy: every
-    rank calls them (collective, blocking), rank 0 writes, from the consistent state, into a
-    temporary renamed over the target (export.save_on_chief). In place instead where the
-    write is several files or a directory (``max_shard_size``, ``zipped=False``), a URL
-    (``gs://...``), or Keras is to ask before overwriting (``overwrite=False``)."""
+    """``Model.save``, ``save_weights`` and ``export`` under a multi-process PoseidonStrategy:
+    every rank calls them (collective, blocking), rank 0 writes, from the consistent state,
+    into a temporary renamed over the target (export.save_on_chief). In place instead where
+    the write is several files or a directory (``export``, ``max_shard_size``,
+    ``zipped=False``), a URL (``gs://...``), or Keras is to ask before overwriting
+    (``overwrite=False``)."""
     signature = inspect.signature(original)
 
     def wrapper(self, filepath, *args, **kwargs):
@@ -517,7 +518,8 @@ def _saved_by_rank0(original):
             return original(self, filepath, *args, **kwargs)
         path = os.fspath(filepath)
         options = signature.bind(self, filepath, *args, **kwargs).arguments
-        atomic = ("://" not in path and not options.get("max_shard_size")
+        atomic = ("://" not in path and original.__name__ != "export"
+                  and not options.get("max_shard_size")
                   and options.get("zipped") is not False
                   and (options.get("overwrite", True) or not os.path.exists(path)))
         export.save_on_chief(self, lambda target: original(self, target, *args, **kwargs),
@@ -858,7 +860,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
-    for method in ("save", "save_weights"):
+    for method in ("save", "save_weights", "export"):
         _wrap(keras_model.Model, method, _saved_by_rank0)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)

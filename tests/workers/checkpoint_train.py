@@ -13,7 +13,7 @@ values, or the restored backup, must reach the others); every model starts from 
   ModelCheckpoints (relative paths ``ckpt/epoch<e>.weights.h5`` and ``best.keras``), a
   BackupAndRestore (``backup``, deleted at the end) and Keras' CSVLogger (``log.csv``);
   writes OUT/reference_rank<r>.npz; then Keras' ``model.save("final.keras")`` and
-  ``model.save_weights("final.weights.h5")``.
+  ``model.save_weights("final.weights.h5")`` and ``model.export("final_saved_model")``.
 * ``--backup DIR``: then trains a fresh model with BackupAndRestore(DIR) (resuming from it if
   it holds a backup); with ``--interrupt-after K`` every rank SIGKILLs itself at the end of
   epoch K, after the backup of that epoch returned. Writes OUT/resumed_rank<r>.npz.
@@ -142,6 +142,7 @@ def main():
         train(model, callbacks, os.path.join(out, f"reference_rank{tp.rank()}"))
         model.save("final.keras")  # every rank, as a Keras script ends
         model.save_weights("final.weights.h5")
+        model.export("final_saved_model", verbose=False)
     if args.backup:
         callbacks = [tp_callbacks.BackupAndRestore(args.backup,
                                                    save_freq=args.save_freq or "epoch")]
