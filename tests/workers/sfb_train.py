@@ -12,7 +12,7 @@ Each run builds its own strategy and model; every rank seeds with its own rank (
 initial values must reach the others). Per run NAME (RUN with "-" for "/"), every rank writes
 OUT/NAME_rank<r>.npz (final weights in model.weights order, loss history),
 OUT/NAME_plan_rank<r>.json (strategy.plan().as_dict()) and OUT/NAME_stats_rank<r>.json
-(strategy.stats()); with the flag save, rank 0 also saves OUT/NAME.keras.
+(strategy.stats()); with the flag save, every rank calls model.save(OUT/NAME.keras) (rank 0 writes).
 """
 
 import argparse
@@ -128,7 +128,7 @@ def run(spec: str, args) -> None:
     with open(os.path.join(args.out, f"{name}_stats_rank{tp.rank()}.json"), "w") as f:
         # The engine's log is the process's: this run's steps are the last ones.
         json.dump(strategy.stats(last_steps=steps), f)
-    if "save" in flags and tp.is_chief():
+    if "save" in flags:  # every rank calls it; rank 0 writes
         model.save(os.path.join(args.out, f"{name}.keras"))
 
 
