@@ -322,10 +322,10 @@ def for_this_rank(callbacks, rank: int) -> list:
                 and not isinstance(callback, (ModelCheckpoint, BackupAndRestore))):
             keras_name = next(c.__name__ for c in _WRITE_ON_EVERY_RANK
                               if isinstance(callback, c))
-            given = (f"keras.callbacks.{keras_name}" if type(callback).__module__.startswith(
+            named = (f"keras.callbacks.{keras_name}" if type(callback).__module__.startswith(
                 "keras.") else f"{type(callback).__qualname__} (a keras.callbacks.{keras_name})")
             raise ValueError(
-                f"tf_poseidon: {given} in a multi-rank fit: Keras' {keras_name} writes the "
+                f"tf_poseidon: {named} in a multi-rank fit: Keras' {keras_name} writes the "
                 "same files from every rank "
                 "(concurrent writers of one file: h5py's lock error, or interleaved writes "
                 "without file locks) and truncates each before the new one is complete. Use "

@@ -1,8 +1,8 @@
 """Writing a model out of a job: rank 0 writes, atomically, from a consistent state.
 
 Everything that writes model state to disk (``export_for_serving`` here, the callbacks in
-callbacks.py, Keras' ``Model.save`` and ``save_weights`` under a multi-process strategy through
-:func:`save_on_chief`) follows one protocol, made of the three pieces of this module:
+callbacks.py, Keras' ``Model.save``, ``save_weights`` and ``export`` under a multi-process
+strategy through :func:`save_on_chief`) follows one protocol, made of the three pieces of this module:
 
 * :func:`consistent_state` — every rank enters ``strategy.extended.consistent_state()``, so the
   model's variables hold the state to save (SSP drains, EASGD swaps the center in);
@@ -58,8 +58,8 @@ def consistent_state(model: keras.Model) -> ContextManager[None]:
 
 class _ChiefWrites(threading.local):
     """Whether this thread runs rank 0's work for :func:`run_on_chief`: a ``model.save``
-    there (tp.callbacks' writes, a Keras ``save`` calling ``save_weights``) writes as it is,
-    instead of starting a collective of its own (:func:`save_on_chief`)."""
+    there (tp.callbacks' writes) writes as it is, instead of starting a collective of its own
+    (:func:`save_on_chief`)."""
 
     active = False
 
@@ -96,8 +96,8 @@ def save_on_chief(model: keras.Model, save: Callable[[str], object], filepath: s
     rank 0 only, from the consistent state: collective and blocking under a multi-process
     PoseidonStrategy (:func:`consistent_state`, :func:`run_on_chief`: every rank returns once
     the file is in place). ``atomic``: ``path`` is a temporary beside ``filepath``
-    (:func:`atomic_path`); else ``filepath`` itself (a write of several files: sharded
-    weights). Within rank 0's work of :func:`run_on_chief` (a write under way) it just writes.
+    (:func:`atomic_path`); else ``filepath`` itself (a write of several files or of a
+    directory). Within rank 0's work of :func:`run_on_chief` (a write under way) it just writes.
     """
     def write() -> int:
         if not atomic:
