@@ -2,7 +2,8 @@
 
 Everything that writes model state to disk (``export_for_serving`` here, the callbacks in
 callbacks.py, Keras' ``Model.save``, ``save_weights`` and ``export`` under a multi-process
-strategy through :func:`save_on_chief`) follows one protocol, made of the three pieces of this module:
+strategy through :func:`save_on_chief`) follows one protocol, made of the three pieces of this
+module:
 
 * :func:`consistent_state` — every rank enters ``strategy.extended.consistent_state()``, so the
   model's variables hold the state to save (SSP drains, EASGD swaps the center in);
