@@ -108,18 +108,26 @@ def test_jit_compile_matches_one_process_with_xla(jobs):
 
 
 @pytest.mark.multirank
-def test_a_stateful_rnn_built_with_the_ranks_batch_trains_like_one_process(jobs):
-    # Built with batch_shape (60 / P, ...), each rank's LSTM keeps the states of its rows of
-    # every global batch: one process's states for those rows, across fit, evaluate and
-    # predict, and the weights, losses and predictions are one process's.
+def test_a_stateful_rnn_built_as_in_one_process_trains_like_one_process(jobs):
+    # Built for the global batch of 75 rows, as in one process, each rank's LSTM keeps the
+    # states of its rows of every global batch (37 and 38: states of different shapes on the
+    # two ranks): one process's states for those rows, across fit, evaluate and predict, and
+    # the weights, losses and predictions are one process's. The exported model holds the
+    # whole batch's states, as one process's does: serving it twice (the second call goes on
+    # from the first's states) gives one process's outputs.
     single, two, _ = jobs
     reference = load(single, "stateful", 0)
+    starts = [0, 37, 75]
     for rank in range(2):
         result = load(two, "stateful", rank)
         for key in ("weights", "loss", "accuracy", "evaluation", "predictions"):
             assert max_difference(reference[key], result[key]) <= TOLERANCE, (rank, key)
-        rows = reference["states"][30 * rank:30 * (rank + 1)]
+        rows = reference["states"][starts[rank]:starts[rank + 1]]
+        assert rows.shape == result["states"].shape, (rank, result["states"].shape)
         assert max_difference(rows, result["states"]) <= TOLERANCE, rank
+    served = load(two, "stateful", 0)["served"]
+    assert served.shape == (2, 75, 3) and max_difference(served[0], served[1]) > 1e-3
+    assert max_difference(reference["served"], served) <= TOLERANCE
 
 
 @pytest.mark.multirank

@@ -54,14 +54,19 @@ def batch_size_of(structure) -> tf.Tensor | None:
     return None
 
 
+def rows_of_rank(n, rank: int, size: int):
+    """``(start, end)``: the rows ``[n·rank/P, n·(rank+1)/P)`` of a batch of ``n`` rows (an
+    int or an integer tensor) that belong to ``rank`` of ``size``."""
+    return n * rank // size, n * (rank + 1) // size
+
+
 def slice_for_rank(element, rank: int, size: int):
-    """Rows of ``element``'s batch that belong to ``rank``: rows ``[n·rank/P, n·(rank+1)/P)``
-    of every dense, ragged or sparse tensor of rank ≥ 1 (scalars pass through unchanged)."""
+    """Rows of ``element``'s batch that belong to ``rank`` (:func:`rows_of_rank`) of every
+    dense, ragged or sparse tensor of rank ≥ 1 (scalars pass through unchanged)."""
     n = batch_size_of(element)
     if n is None:
         return element
-    start = n * rank // size
-    end = n * (rank + 1) // size
+    start, end = rows_of_rank(n, rank, size)
 
     def take(value):
         if isinstance(value, tf.SparseTensor):

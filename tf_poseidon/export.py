@@ -30,7 +30,7 @@ from typing import Callable, ContextManager, Iterator
 import keras
 import tensorflow as tf
 
-from tf_poseidon import chief
+from tf_poseidon import chief, stateful_rnn
 
 _TEMP_PREFIX = ".tp-tmp-"
 SERVING_SIGNATURE = "serving_default"
@@ -48,13 +48,22 @@ def multi_rank_strategy(model: keras.Model):
 
 
 def consistent_state(model: keras.Model) -> ContextManager[None]:
-    """Within it, ``model``'s variables hold the state to save, equal on every rank.
+    """Within it, ``model``'s variables hold the state to save, equal on every rank, and its
+    stateful RNNs the states of the whole batch (stateful_rnn.py), as one process's model.
 
     Collective when ``model`` was created under a PoseidonStrategy: call it on every rank,
     at the same point of the program. Otherwise it does nothing.
     """
     strategy = multi_rank_strategy(model)
-    return strategy.extended.consistent_state() if strategy else contextlib.nullcontext()
+    if strategy is None:
+        return contextlib.nullcontext()
+    return _consistent_whole_model(model, strategy.extended)
+
+
+@contextlib.contextmanager
+def _consistent_whole_model(model: keras.Model, extended) -> Iterator[None]:
+    with extended.consistent_state(), stateful_rnn.whole_batch_states(model, extended):
+        yield
 
 
 class _ChiefWrites(threading.local):

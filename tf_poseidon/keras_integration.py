@@ -53,6 +53,12 @@ original unchanged:
 * ``BatchNormalization._moments`` uses the global batch's statistics (batchnorm.global_moments)
   for layers built with ``synchronized=True`` and for every layer under
   ``PoseidonStrategy(sync_batchnorm=True)``;
+* ``RNN._create_state_variables``: a ``stateful=True`` RNN built from the model's static batch
+  size (``keras.Input(batch_size=B)``, as Keras asks of stateful RNNs) outside a step, where
+  that size is the global batch's, holds the states of this rank's rows of it only
+  (stateful_rnn.py: the states of all ranks together are one process's). Keras' own check
+  then refuses a batch whose share differs, as it refuses a batch of another size in one
+  process;
 * ``Trainer.get_metrics_result`` computes each metric from its state variables *combined over
   ranks*, each as its ``aggregation`` says (summed, every Keras metric's; averaged; rank 0's),
   so logs, progress bars and ``History`` show the global values one process would show for
@@ -161,6 +167,7 @@ from keras.src.backend.tensorflow import random as keras_tf_random
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.layers.normalization import batch_normalization as keras_batch_normalization
 from keras.src.layers.rnn import dropout_rnn_cell as keras_dropout_rnn_cell
+from keras.src.layers.rnn import rnn as keras_rnn
 from keras.src.losses import loss as keras_loss
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
@@ -177,6 +184,7 @@ from tf_poseidon import callbacks as callbacks_lib
 from tf_poseidon import data as data_lib
 from tf_poseidon import export
 from tf_poseidon import scope_check
+from tf_poseidon import stateful_rnn
 from tf_poseidon import timeouts
 
 _strategy_class: type | None = None  # PoseidonStrategy, once installed
@@ -482,6 +490,15 @@ def _batchnorm_moments(original):
             return original(self, inputs, mask)
         return batchnorm.global_moments(extended, inputs, self._reduction_axes,
                                         getattr(context, "local_batch", None))
+    return wrapper
+
+
+def _rows_of_rnn_state(original):
+    def wrapper(self, batch_size):
+        extended = _poseidon_extended()
+        if extended is None or not tf.distribute.in_cross_replica_context():
+            return original(self, batch_size)
+        stateful_rnn.create_rank_states(self, batch_size, extended)
     return wrapper
 
 
@@ -857,6 +874,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_random, "normal", _drawn(_normal_by_rows))
     _wrap(keras_tf_random, "randint", _drawn(_randint_by_rows))
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
+    _wrap(keras_rnn.RNN, "_create_state_variables", _rows_of_rnn_state)
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)

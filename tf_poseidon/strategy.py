@@ -186,9 +186,12 @@ def _log_on_chief_only() -> None:
 
 class _ReplicaScope(threading.local):
     """How deep this thread is in ``run``'s replica functions (variables created inside one
-    are not broadcast from rank 0: they start equal by construction)."""
+    are not broadcast from rank 0: they start equal by construction) and in
+    :meth:`PoseidonExtended.rank_local_variables` (variables created inside hold this rank's
+    own values)."""
 
     depth: int = 0
+    rank_local: int = 0
 
 
 class PoseidonExtended(one_device_strategy.OneDeviceExtended):
@@ -278,9 +281,20 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
                     return initial()
             kwargs["initial_value"] = drawn_alike
         variable = super()._create_variable(next_creator, **kwargs)
-        if not self._replica_scope.depth:
+        if not (self._replica_scope.depth or self._replica_scope.rank_local):
             self._variables.append(variable)
         return variable
+
+    @contextlib.contextmanager
+    def rank_local_variables(self):
+        """Variables created inside, on this thread, hold this rank's own values (a stateful
+        RNN's states of this rank's rows: keras_integration): they are neither checked against
+        the other ranks' variables nor broadcast from rank 0, and may differ in shape."""
+        self._replica_scope.rank_local += 1
+        try:
+            yield
+        finally:
+            self._replica_scope.rank_local -= 1
 
     def _sync_new_variables(self) -> None:
         """Collective: checks and broadcasts the variables created since the last call."""

@@ -26,8 +26,11 @@ evaluated and, for the Sequential ones, predicted):
                RandomZoom, RandomTranslation, RandomContrast, RandomBrightness);
                augmenting-layers-keras the same in plain Keras (only in a world of one)
   stateful     a stateful LSTM over the images' rows (8 steps of 8), Keras' own steps, built
-               with the rank's batch (60 / P rows) as a stateful RNN must be; it predicts 2
-               global batches (a stateful model takes no partial batch)
+               for the global batch as in one process (keras.Input(batch_size=75): the
+               ranks' shares differ at P=2); it predicts 2 global batches (a stateful model
+               takes no partial batch), then is exported (Model.export) to OUT/stateful_export
+               and served there (``served``: rank 0's outputs of two calls on the first
+               global batch; an exported stateful model carries its states on)
   retrieval    two towers (the images' top and bottom rows) whose train_step scores each
                query against the items of the whole global batch (in-batch negatives, every
                rank's items through the replica context's all_gather); fit only (the
@@ -68,6 +71,7 @@ import tensorflow as tf  # noqa: E402
 GLOBAL_BATCH = 60
 ROWS = 600
 ON_BATCH = 49  # an odd batch: the ranks' shares differ at P=2
+STATEFUL_BATCH = 75  # divides ROWS (a stateful RNN takes no partial batch), odd
 
 
 def data():
@@ -213,7 +217,7 @@ def cnn(augmenting: bool = False) -> keras.Model:
 
 def stateful_lstm() -> keras.Model:
     return keras.Sequential([
-        keras.Input(batch_shape=(GLOBAL_BATCH // tp.size(), 8, 8, 1)),
+        keras.Input(batch_shape=(STATEFUL_BATCH, 8, 8, 1)),
         keras.layers.Reshape((8, 8)), keras.layers.LSTM(6, stateful=True), keras.layers.Dense(3)])
 
 
@@ -314,6 +318,7 @@ def run(strategy, config: str, out: str) -> None:
             strategy = tp.PoseidonStrategy(algorithm=tp.algorithms.EASGD(tau=2))
         return run_on_batch(strategy, x, y, out, mismatch=config == "on-batch-mismatch")
     stateful = config == "stateful"
+    batch = STATEFUL_BATCH if stateful else GLOBAL_BATCH
     with strategy.scope():
         model = (GuideModel(batchnorm=config == "guide-bn", draws=config == "guide-draws")
                  if config.startswith("guide")
@@ -331,11 +336,18 @@ def run(strategy, config: str, out: str) -> None:
             lambda images, labels: (flip(images, training=True), labels)).map(
             lambda images, labels: (2.0 * images, labels)).prefetch(2)}
     else:
-        inputs = {"x": x, "y": y, "batch_size": GLOBAL_BATCH}
+        inputs = {"x": x, "y": y, "batch_size": batch}
     history = model.fit(**inputs, epochs=2, shuffle=False, verbose=0, callbacks=[batches])
-    evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0, return_dict=True)
-    predicted = x[:2 * GLOBAL_BATCH] if stateful else x[:97]
-    predictions = model.predict(predicted, batch_size=GLOBAL_BATCH, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+    predicted = x[:2 * batch] if stateful else x[:97]
+    predictions = model.predict(predicted, batch_size=batch, verbose=0)
+    served = []
+    if stateful:
+        exported = os.path.join(os.path.dirname(out), "stateful_export")
+        model.export(exported)  # every rank: rank 0 writes, the others wait for it
+        if tp.rank() == 0:
+            loaded = tf.saved_model.load(exported)  # holds the variables serve reads
+            served = [loaded.serve(x[:batch]).numpy() for _ in range(2)]
     norm = getattr(model, "norm", None)
     np.savez(out, weights=weights_of(model), loss=history.history["loss"],
              accuracy=history.history["accuracy"],
@@ -347,7 +359,7 @@ def run(strategy, config: str, out: str) -> None:
              moving_mean=norm.moving_mean.numpy() if norm is not None else [],
              own_predictions=[] if stateful else model(predicted, training=False),
              states=np.concatenate([v.numpy() for v in model.layers[1].states], 1)
-             if stateful else [])
+             if stateful else [], served=served)
 
 
 def main(out: str, configs: str) -> None:
