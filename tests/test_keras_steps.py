@@ -27,7 +27,8 @@ def jobs(tmp_path_factory):
                   "on-batch-keras")[0])
     two = tmp_path_factory.mktemp("p2")
     dump = tmp_path_factory.mktemp("xla")
-    check(run_job(2, "keras_steps.py", str(two), CONFIGS + ",on-batch-mismatch,on-batch-easgd",
+    check(run_job(2, "keras_steps.py", str(two),
+                  CONFIGS + ",on-batch-mismatch,on-batch-easgd,stateful-rank-batch",
                   env={"KERAS_STEPS_XLA_DUMP": str(dump)})[0])
     return single, two, dump
 
@@ -128,6 +129,19 @@ def test_a_stateful_rnn_built_as_in_one_process_trains_like_one_process(jobs):
     served = load(two, "stateful", 0)["served"]
     assert served.shape == (2, 75, 3) and max_difference(served[0], served[1]) > 1e-3
     assert max_difference(reference["served"], served) <= TOLERANCE
+
+
+@pytest.mark.multirank
+def test_a_stateful_rnn_built_for_the_ranks_share_is_refused_naming_the_global_batch(jobs):
+    _, two, _ = jobs
+    for rank in range(2):
+        message = str(load(two, "stateful-rank-batch", rank)["message"])
+        # The job's second LSTM: Keras names it lstm_1 (and adds its own lines around this).
+        assert (
+            "tf_poseidon: the stateful RNN 'lstm_1' was built for a batch of 37 rows, which is "
+            f"the global batch: rank {rank} of 2 holds the states of {18 + rank} of them, but "
+            f"its input here has {37 + rank} rows.") in message, message
+        assert "build the model for the global batch (keras.Input(batch_size=B))" in message
 
 
 @pytest.mark.multirank

@@ -56,9 +56,9 @@ original unchanged:
 * ``RNN._create_state_variables``: a ``stateful=True`` RNN built from the model's static batch
   size (``keras.Input(batch_size=B)``, as Keras asks of stateful RNNs) outside a step, where
   that size is the global batch's, holds the states of this rank's rows of it only
-  (stateful_rnn.py: the states of all ranks together are one process's). Keras' own check
-  then refuses a batch whose share differs, as it refuses a batch of another size in one
-  process;
+  (stateful_rnn.py: the states of all ranks together are one process's). ``RNN.call`` then
+  refuses a batch whose share differs, as Keras refuses a batch of another size in one
+  process, with a message naming the global batch the model was built for;
 * ``Trainer.get_metrics_result`` computes each metric from its state variables *combined over
   ranks*, each as its ``aggregation`` says (summed, every Keras metric's; averaged; rank 0's),
   so logs, progress bars and ``History`` show the global values one process would show for
@@ -502,6 +502,13 @@ def _rows_of_rnn_state(original):
     return wrapper
 
 
+def _rnn_call(original):
+    def wrapper(self, sequences, *args, **kwargs):
+        stateful_rnn.check_rows(self, sequences)
+        return original(self, sequences, *args, **kwargs)
+    return wrapper
+
+
 def _fit(original):
     signature = inspect.signature(original)
 
@@ -875,6 +882,7 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_random, "randint", _drawn(_randint_by_rows))
     _wrap(keras_batch_normalization.BatchNormalization, "_moments", _batchnorm_moments)
     _wrap(keras_rnn.RNN, "_create_state_variables", _rows_of_rnn_state)
+    _wrap(keras_rnn.RNN, "call", _rnn_call)
     _wrap(keras_compile_utils.CompileLoss, "call", _compile_loss_call)
     _wrap(keras_trainer.Trainer, "get_metrics_result", _get_metrics_result)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)

@@ -16,6 +16,7 @@ carries its states on): :func:`whole_batch_states` gathers them for the duration
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import keras
@@ -34,23 +35,46 @@ def _create_states(layer, batch_size: int) -> None:
     getattr(create, "__tf_poseidon_original__", create)(layer, batch_size)
 
 
+_split = weakref.WeakKeyDictionary()  # layer -> (global batch, rank, size)
+
+
 def create_rank_states(layer, batch_size: int, extended) -> None:
     """Builds ``layer``'s states for this rank's rows of a global batch of ``batch_size`` rows
     (``extended``: the PoseidonExtended of a job of several ranks)."""
-    start, end = data_lib.rows_of_rank(batch_size, extended._world.rank, extended._world.size)
+    rank, size = extended._world.rank, extended._world.size
+    start, end = data_lib.rows_of_rank(batch_size, rank, size)
     with extended.rank_local_variables():
         _create_states(layer, end - start)
+    _split[layer] = (batch_size, rank, size)
+
+
+def check_rows(layer, sequences) -> None:
+    """Raises ValueError, naming the cause and the fix, where ``layer`` holds this rank's rows
+    of a global batch (:func:`create_rank_states`) and ``sequences`` has a static row count
+    other than its states' (Keras' own check would say only that the two differ)."""
+    rows = sequences.shape[0]
+    if layer not in _split or rows is None or rows == layer._expected_batch_size:
+        return
+    batch, rank, size = _split[layer]
+    raise ValueError(
+        f"tf_poseidon: the stateful RNN {layer.name!r} was built for a batch of {batch} rows, "
+        f"which is the global batch: rank {rank} of {size} holds the states of "
+        f"{layer._expected_batch_size} of them, but its input here has {rows} rows. Every "
+        f"global batch must have the {batch} rows the model was built for, as in one "
+        "process: build the model for the global batch (keras.Input(batch_size=B)), not for "
+        "a rank's share of it, and give fit, evaluate and predict batch_size=B, with no "
+        "partial batch.")
 
 
 @contextlib.contextmanager
 def whole_batch_states(model: keras.Model, extended) -> Iterator[None]:
-    """Within it, every built stateful RNN of ``model`` holds the states of the whole global
-    batch, every rank's rows in rank order, as one process's model would; each rank's own
-    states come back on exit, unchanged. Collective and blocking (one all-gather) where
-    ``model`` has a built stateful RNN, which it has on every rank or none (the ranks build
-    the same model); call it on every rank of the job (``extended``), at the same point."""
-    layers = [layer for layer in model._flatten_layers()
-              if isinstance(layer, keras_rnn.RNN) and layer.stateful and layer.states]
+    """Within it, every stateful RNN of ``model`` that holds this rank's rows
+    (:func:`create_rank_states`) holds the states of the whole global batch, every rank's rows
+    in rank order, as one process's model would; each rank's own states come back on exit,
+    unchanged. Collective and blocking (one all-gather) where ``model`` has such a layer,
+    which it has on every rank or none (the ranks build the same model); call it on every rank
+    of the job (``extended``), at the same point."""
+    layers = [layer for layer in model._flatten_layers() if layer in _split]
     if not layers:
         yield
         return

@@ -31,6 +31,8 @@ evaluated and, for the Sequential ones, predicted):
                takes no partial batch), then is exported (Model.export) to OUT/stateful_export
                and served there (``served``: rank 0's outputs of two calls on the first
                global batch; an exported stateful model carries its states on)
+  stateful-rank-batch  the stateful LSTM built for the rank's share of the global batch
+               (75 // P rows) and fit with batch_size=75 (``message``: the ValueError's text)
   retrieval    two towers (the images' top and bottom rows) whose train_step scores each
                query against the items of the whole global batch (in-batch negatives, every
                rank's items through the replica context's all_gather); fit only (the
@@ -215,9 +217,9 @@ def cnn(augmenting: bool = False) -> keras.Model:
         keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
 
 
-def stateful_lstm() -> keras.Model:
+def stateful_lstm(rows: int = STATEFUL_BATCH) -> keras.Model:
     return keras.Sequential([
-        keras.Input(batch_shape=(STATEFUL_BATCH, 8, 8, 1)),
+        keras.Input(batch_shape=(rows, 8, 8, 1)),
         keras.layers.Reshape((8, 8)), keras.layers.LSTM(6, stateful=True), keras.layers.Dense(3)])
 
 
@@ -317,6 +319,15 @@ def run(strategy, config: str, out: str) -> None:
         if config == "on-batch-easgd":
             strategy = tp.PoseidonStrategy(algorithm=tp.algorithms.EASGD(tau=2))
         return run_on_batch(strategy, x, y, out, mismatch=config == "on-batch-mismatch")
+    if config == "stateful-rank-batch":
+        with strategy.scope():
+            model = stateful_lstm(STATEFUL_BATCH // tp.size())
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        try:
+            model.fit(x, y, batch_size=STATEFUL_BATCH, epochs=1, shuffle=False, verbose=0)
+        except ValueError as e:
+            return np.savez(out, message=str(e))
+        return np.savez(out, message="")
     stateful = config == "stateful"
     batch = STATEFUL_BATCH if stateful else GLOBAL_BATCH
     with strategy.scope():
