@@ -13,8 +13,9 @@ Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, s
 that shuffles must shuffle alike on every rank: :func:`check_same_input` refuses one whose
 shuffles have no seed or seeds that differ between the ranks. Keras' own shuffling is given
 seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
-:func:`agreed_epoch_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s batches
-(``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`.
+:func:`agreed_permutation_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s
+batches (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`; both
+shuffle as one process would with rank 0's seed.
 
 ``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
 may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
@@ -302,60 +303,67 @@ def _refuse_on_every_rank(message: str, meet: Callable[[], object]) -> None:
     raise ValueError(f"tf_poseidon: {message}")
 
 
-def agreed_base_seed(broadcast_from_rank0: Callable[[int], int]) -> int:
-    """A seed every rank agrees on, for the epochs of one shuffled input (``fit``'s training
-    data): :func:`epoch_seed` derives each epoch's.
+def agreed_permutation_seeds(broadcast_from_rank0: Callable[[tuple], tuple]) -> Iterator[int]:
+    """The graph seed to build each epoch's shuffled dataset of arrays under (``fit(x, y,
+    shuffle=True)``; epochs 0, 1, ...), the same on every rank.
 
     Every rank calls it once per shuffled input, eagerly; ``broadcast_from_rank0(value) ->
-    rank 0's value`` is a collective, called once, now. Rank 0 chooses: with a global
-    TensorFlow seed (``keras.utils.set_random_seed`` sets one) it draws from TensorFlow's
-    seeded sequence, as an unseeded random op would (every rank draws, so ranks seeded alike
-    stay alike), so identical runs shuffle identically and successive ``fit`` calls
-    differently; without one it takes fresh entropy.
+    rank 0's value`` is a collective, called once, now. Rank 0 decides, as one process would:
+
+    * with a global TensorFlow seed (``keras.utils.set_random_seed`` sets one), that seed in
+      every epoch. Keras traces the permutation under the global seed, so one process draws
+      the same permutation in every epoch and every ``fit`` (TensorFlow re-seeds a dataset
+      function's random ops with each new iterator); so does every rank, the one process's.
+    * without one, one process draws a fresh permutation per epoch: rank 0 takes fresh entropy
+      and each epoch's seed is :func:`epoch_seed` of it.
     """
-    if context.global_seed() is not None:
-        draw = context.internal_operation_seed()
-    else:
-        draw = secrets.randbits(31)
-    return broadcast_from_rank0(draw)
+    seed, entropy = broadcast_from_rank0((context.global_seed(), secrets.randbits(31)))
+    if seed is not None:
+        return itertools.repeat(seed)
+    return (epoch_seed(entropy, epoch) for epoch in itertools.count())
 
 
 def epoch_seed(base: int, epoch: int) -> int:
-    """The 31-bit seed of epoch ``epoch`` of an input whose :func:`agreed_base_seed` is
-    ``base``: different for every epoch, the same on every rank."""
+    """The 31-bit seed of epoch ``epoch`` of an input drawn from ``base``: different for every
+    epoch, the same on every rank."""
     return int(np.random.SeedSequence([base, epoch]).generate_state(1)[0]) & 0x7FFFFFFF
 
 
-def agreed_epoch_seeds(broadcast_from_rank0: Callable[[int], int]) -> Iterator[int]:
-    """:func:`epoch_seed` of epochs 0, 1, ... of a new :func:`agreed_base_seed` (a collective,
-    called now)."""
-    base = agreed_base_seed(broadcast_from_rank0)
-    return (epoch_seed(base, epoch) for epoch in itertools.count())
+def agreed_python_random(broadcast_from_rank0: Callable[[object], object]) -> random.Random:
+    """A generator in the state of rank 0's Python ``random`` module now, on every rank.
+
+    Every rank calls it, eagerly; ``broadcast_from_rank0`` is a collective, called once, now.
+    """
+    generator = random.Random()
+    generator.setstate(broadcast_from_rank0(random.getstate()))
+    return generator
 
 
 class AgreedBatchOrder(keras.utils.PyDataset):
-    """A finite ``keras.utils.PyDataset`` whose batches are served in an order every rank
-    agrees on, a new one for every pass over them.
+    """A finite ``keras.utils.PyDataset`` whose batches are served in the order one process
+    would serve them, the same on every rank, a new one for every pass over them.
 
     Keras shuffles a PyDataset's batches with Python's global ``random`` module, whose state is
     each process's own: the ranks would take their slices of different global batches at the
     same step. This wrapper takes over that shuffle (Keras' own is turned off): each pass
-    starts with :meth:`begin_pass`, which permutes the batch indices with
-    ``epoch_seed(base_seed, pass)``. ``batches`` is the user's PyDataset, left unchanged.
+    starts with :meth:`begin_pass`, which shuffles the batch indices as Keras does, with
+    ``generator`` (:func:`agreed_python_random`: rank 0's ``random`` when ``fit`` started), and
+    leaves this rank's ``random`` in the generator's state, as Keras' shuffle would have left
+    rank 0's. ``batches`` is the user's PyDataset, left unchanged.
     """
 
-    def __init__(self, batches: keras.utils.PyDataset, base_seed: int):
+    def __init__(self, batches: keras.utils.PyDataset, generator: random.Random):
         super().__init__(workers=batches.workers, use_multiprocessing=batches.use_multiprocessing,
                          max_queue_size=batches.max_queue_size)
-        self.batches, self.base_seed, self.passes = batches, base_seed, 0
+        self.batches, self.generator = batches, generator
         self.order = list(range(batches.num_batches))
 
     def begin_pass(self) -> None:
         """Draws the next pass's order. Called before the pass fetches a batch (by the thread
         that starts it); not while another pass fetches."""
         self.order = list(range(self.batches.num_batches))
-        random.Random(epoch_seed(self.base_seed, self.passes)).shuffle(self.order)
-        self.passes += 1
+        self.generator.shuffle(self.order)
+        random.setstate(self.generator.getstate())
 
     def __len__(self) -> int:
         return len(self.order)

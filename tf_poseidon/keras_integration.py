@@ -133,19 +133,21 @@ original unchanged:
   (data.slice_for_rank); ``test_on_batch`` and ``predict_on_batch`` run inside
   ``consistent_state()``, as ``evaluate`` and ``predict`` do, and ``test_on_batch`` returns
   the metrics of the whole batch also where the algorithm is not lockstep;
-* ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with an unseeded
-  ``tf.random.shuffle``, so ranks would slice different permutations (some samples seen twice
-  in an epoch, others never). The shuffled dataset is rebuilt for every epoch
-  (``TFEpochIterator._get_iterator``) under a graph seed every rank agrees on (data.py:
-  chosen by rank 0 when ``fit`` starts, different per epoch, reproducible with
-  ``keras.utils.set_random_seed``), so every rank slices the same permutation and every sample
-  is trained on exactly once per epoch;
+* ``fit(x, y, shuffle=True)`` on arrays: Keras shuffles the sample indices with a
+  ``tf.random.shuffle`` without an op seed, so ranks would slice different permutations (some
+  samples seen twice in an epoch, others never) unless seeded alike. The shuffled dataset is
+  rebuilt for every epoch (``TFEpochIterator._get_iterator``) under a graph seed every rank
+  agrees on (data.agreed_permutation_seeds, decided by rank 0 when ``fit`` starts): with a
+  global seed, one process's permutation, which one process repeats in every epoch; without,
+  a fresh one per epoch. Every rank slices the same permutation and every sample is trained
+  on exactly once per epoch;
 * ``fit(py_dataset)`` (shuffled by default): Keras shuffles the batches' order with Python's
   ``random``, each process's own, so at one step the ranks would slice different global
   batches. ``TFEpochIterator.__init__`` turns that shuffle off and serves the batches through
-  ``data.AgreedBatchOrder``, whose order (seeded as the arrays' permutation) is drawn anew
-  whenever a pass over the batches starts: in ``PyDatasetAdapter._finite_generator``, or
-  ``OrderedEnqueuer._run`` where the PyDataset has workers.
+  ``data.AgreedBatchOrder``, which shuffles as Keras does with rank 0's ``random`` (its state
+  when ``fit`` starts) whenever a pass over the batches starts: in
+  ``PyDatasetAdapter._finite_generator``, or ``OrderedEnqueuer._run`` where the PyDataset has
+  workers.
 
 ``install`` is idempotent; strategy.py calls it with PoseidonStrategy when it is imported.
 """
@@ -784,9 +786,9 @@ def _agree_on_batch_order(adapter, engine) -> None:
         enqueuer.tf_poseidon_passes = True
     if not adapter.shuffle:
         return
-    base = data_lib.agreed_base_seed(
+    generator = data_lib.agreed_python_random(
         lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
-    ordered = data_lib.AgreedBatchOrder(adapter.py_dataset, base)
+    ordered = data_lib.AgreedBatchOrder(adapter.py_dataset, generator)
     adapter.shuffle, adapter.py_dataset = False, ordered
     if enqueuer is not None:
         enqueuer.shuffle, enqueuer.py_dataset = False, ordered
@@ -851,7 +853,7 @@ def _epoch_dataset(original):
         seeds = self.__dict__.get("_tp_epoch_seeds")
         if seeds is None:
             engine = extended.engine
-            seeds = self._tp_epoch_seeds = data_lib.agreed_epoch_seeds(
+            seeds = self._tp_epoch_seeds = data_lib.agreed_permutation_seeds(
                 lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
         with data_lib.tracing_seed(next(seeds)):
             dataset = adapter.get_tf_dataset()

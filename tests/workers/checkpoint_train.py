@@ -6,7 +6,9 @@
 
 Every rank works in OUT/rank<r>/ (its own working directory, so a file a non-chief rank wrote
 through a relative path would show up there) and seeds with its own rank (rank 0's initial
-values, or the restored backup, must reach the others); every model starts from that seed.
+values, or the restored backup, must reach the others); every model starts from that seed, and
+fit shuffles (Keras' default) with the permutation rank 0's seed gives, the same in every epoch
+and every run, so a resumed run sees the interrupted run's order.
 
 * ``--reference``: first a fit with Keras' own ModelCheckpoint (refused: its message, or ""
   if it trained, in OUT/refused_rank<r>.txt); then trains EPOCHS epochs uninterrupted with two
@@ -99,8 +101,8 @@ class KillRank1At(keras.callbacks.Callback):
 
 def train(model, callbacks, out):
     x, y = data()
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
-                        callbacks=callbacks, verbose=0)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, callbacks=callbacks,
+                        verbose=0)
     np.savez(out, loss=np.array(history.history["loss"]),
              weights=np.concatenate([v.numpy().ravel() for v in model.weights]),
              optimizer=np.concatenate([np.ravel(v.numpy()) for v in model.optimizer.variables]))

@@ -1,6 +1,6 @@
 """Worker for the shuffling test: which samples each rank trains on, per epoch.
 
-    shuffle_ids.py OUT
+    shuffle_ids.py OUT [--one-process]
 
 Trains a tiny model (eagerly, so each step can record the ids in its batch) on each source:
 ``arrays`` (``fit(x, y, shuffle=True)``), ``pydataset`` (``fit(py_dataset)`` of global batches,
@@ -13,6 +13,8 @@ seed, ``shuffle(n, seed=3)``), ``different`` (``keras.utils.set_random_seed(5 + 
 ranks' orders would differ) and ``seeded`` (``set_random_seed(5)`` on every rank, no op seed).
 Writes OUT/rank<r>.json: per source and fit (``<source>/<fit>``), per epoch, the list of this
 rank's per-step id lists; for a fit that raised, ``{"error": its message}``.
+``--one-process``: the same fits in plain Keras (its default strategy, seeded as rank 0),
+written as OUT/rank0.json: the order one process trains in.
 """
 
 import json
@@ -80,8 +82,8 @@ def fit_once(strategy, source: str) -> list | dict:
     return model.epochs
 
 
-def main(out: str) -> None:
-    strategy = tp.PoseidonStrategy()
+def main(out: str, one_process: bool) -> None:
+    strategy = tf.distribute.get_strategy() if one_process else tp.PoseidonStrategy()
     fits = {}
     for source in ("arrays", "pydataset", "pydataset_threads"):
         fits[f"{source}/unseeded"] = fit_once(strategy, source)
@@ -99,4 +101,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["--one-process"])

@@ -4,7 +4,8 @@
     RUN: "OUT [--configs C,C,...] [--rows N] [--epochs E] [--strategy JSON]" (one argument each)
 
 Run under mpirun (or alone). Each run seeds every rank with its own rank, so rank 0's initial
-values must reach the others for them to train in lockstep, and has its own strategy
+values must reach the others for them to train in lockstep and its seed decides the order
+Keras fit shuffles in (by default, as here) on every rank, and has its own strategy
 (``tp.PoseidonStrategy(**JSON)``). A configuration is MODEL-OPTIMIZER (``mlp-sgd``: Keras
 fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
 ``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. MODEL: mlp, cnn,
@@ -71,7 +72,7 @@ def run_fit(strategy, kind, opt, n, epochs, out):
         model.compile(optimizer=optimizer_for(opt),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, verbose=0)
     predictions = model.predict(x[:77], batch_size=20, verbose=0)
     evaluation = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
     np.savez(out, weights=weights_of(model), loss=history.history["loss"],
