@@ -349,7 +349,10 @@ class AgreedBatchOrder(keras.utils.PyDataset):
     starts with :meth:`begin_pass`, which shuffles the batch indices as Keras does, with
     ``generator`` (:func:`agreed_python_random`: rank 0's ``random`` when ``fit`` started), and
     leaves this rank's ``random`` in the generator's state, as Keras' shuffle would have left
-    rank 0's. ``batches`` is the user's PyDataset, left unchanged.
+    rank 0's. These are one process's orders where nothing else draws from ``random`` during
+    ``fit``; draws between passes (a PyDataset's ``on_epoch_end`` that shuffles with
+    ``random``, say) are not in the generator's sequence, so the orders then differ from one
+    process's, still alike on every rank. ``batches`` is the user's PyDataset, left unchanged.
     """
 
     def __init__(self, batches: keras.utils.PyDataset, generator: random.Random):
