@@ -49,12 +49,14 @@ TF_IMPORT_LOG = re.compile(r"WARNING: All log messages before absl::InitializeLo
 
 
 @pytest.mark.multirank
-def test_progress_on_rank_0_only_rank_1_prints_nothing_else_and_has_the_global_history():
+def test_rank_0_alone_prints_progress_and_warnings_rank_1_has_the_global_history():
     result, _ = run_job(2, "misbehave.py", "verbose", mpi_args="--tag-output")
     output = check(result)
     progress = [line for line in output.split("\n") if "loss:" in line]  # bars redraw with \r
     assert progress, output
     assert all(line.startswith("[1,0]") for line in progress), progress
+    alone = [line for line in output.split("\n") if "each rank trains its own copy" in line]
+    assert len(alone) == 1 and alone[0].startswith("[1,0]<stderr>:"), output
     finals = re.findall(r"\[1,(\d)\]<stdout>: ?rank \d final loss (\S+)", output)
     assert sorted(rank for rank, _ in finals) == ["0", "1"], output
     assert finals[0][1] == finals[1][1]

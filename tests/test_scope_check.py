@@ -2,10 +2,13 @@
 that names the mistake and shows the fix, instead of TensorFlow's "Mixing different
 tf.distribute.Strategy objects" / "colocate_vars_with must only be passed a variable created in
 this tf.distribute.Strategy.scope()" from inside the first step (or, with an optimizer that has
-no slots, ranks that silently train alone)."""
+no slots, ranks that silently train alone). A model under no strategy at all trains as plain
+Keras; in a job of several ranks rank 0 warns that each rank trains its own copy (here, and in
+the verbose job of tests/test_failures_and_logging.py)."""
 
 import contextlib
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 
 import tf_poseidon as tp
 from multirank import run_job
+from tf_poseidon import scope_check
 
 X = np.random.default_rng(0).normal(size=(64, 10)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
@@ -81,6 +85,30 @@ def test_models_of_the_strategy_and_plain_models_train():
     plain = make_model()  # no strategy at all: plain Keras, untouched by the check
     compile_model(plain, "adam")
     assert len(plain.fit(X, Y, batch_size=16, epochs=1, verbose=0).history["loss"]) == 1
+
+
+def test_a_model_under_no_strategy_in_a_job_of_several_ranks_gets_a_warning_on_rank_0():
+    plain = make_model()
+    compile_model(plain, "adam")
+    with pytest.warns(UserWarning) as warned:
+        scope_check.warn_if_trained_alone(plain, 2, 0)
+    assert len(warned) == 1 and str(warned[0].message).startswith(
+        "tf_poseidon: fit in a job of 2 ranks on a model built outside strategy.scope(): each "
+        "rank trains its own copy on all of the data, exchanging nothing."), warned[0].message
+    assert str(warned[0].message).endswith(
+        "build and compile it under the scope of a PoseidonStrategy, then call fit:\n"
+        + FIX.split(":\n", 1)[1])
+    strategy = tp.PoseidonStrategy()
+    with strategy.scope():
+        distributed = make_model()
+        compile_model(distributed, "adam")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scope_check.warn_if_trained_alone(plain, 2, 1)  # rank 0 alone says it
+        scope_check.warn_if_trained_alone(plain, 1, 0)  # one process: plain Keras
+        scope_check.warn_if_trained_alone(distributed, 2, 0)
+        with strategy.scope():  # fit in a scope: check_model_in_scope's to refuse
+            scope_check.warn_if_trained_alone(plain, 2, 0)
 
 
 @pytest.mark.multirank

@@ -94,10 +94,12 @@ original unchanged:
     process's whole-step function, so P ranks would not give one process's results
     (docs/synchronization.md);
 * ``fit`` first checks that the model was built and compiled under the strategy's scope
-  (scope_check.py), refuses Keras' own ModelCheckpoint and BackupAndRestore (every rank would
-  write the same files: ``tp.callbacks`` has their multi-rank forms) and runs Keras' CSVLogger
-  and TensorBoard on rank 0 only (callbacks.for_this_rank), and ends with
-  ``strategy.drain()`` (SSP applies its pending updates);
+  (scope_check.py; a model under no strategy trains as plain Keras, with a warning on rank 0
+  in a job of several ranks: each rank trains its own copy), refuses Keras' own
+  ModelCheckpoint and BackupAndRestore (every rank would write the same files:
+  ``tp.callbacks`` has their multi-rank forms) and runs Keras' CSVLogger and TensorBoard on
+  rank 0 only (callbacks.for_this_rank), and ends with ``strategy.drain()`` (SSP applies its
+  pending updates);
   ``evaluate`` / ``predict`` run inside ``strategy.extended.consistent_state()`` (SSP drains;
   EASGD uses the center), so what users measure and get is the state every rank agrees on;
 * ``reduce_per_replica(..., "concat")`` (``predict``) concatenates the ranks' predictions in rank
@@ -187,7 +189,7 @@ from tf_poseidon import data as data_lib
 from tf_poseidon import export
 from tf_poseidon import scope_check
 from tf_poseidon import stateful_rnn
-from tf_poseidon import timeouts
+from tf_poseidon import timeouts, world
 
 _strategy_class: type | None = None  # PoseidonStrategy, once installed
 
@@ -518,6 +520,7 @@ def _fit(original):
         scope_check.check_model_in_scope(self, _strategy_class)
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
         if extended is None:
+            scope_check.warn_if_trained_alone(self, world.size(), world.rank())
             return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         if bound.arguments.get("callbacks") is not None:

@@ -6,10 +6,14 @@ first step with errors that do not name the fix ("Mixing different tf.distribute
 objects", "`colocate_vars_with` must only be passed a variable created in this
 tf.distribute.Strategy.scope()", "Need to be inside "with strategy.scope()""), or, for an
 optimizer without slots, trains each rank on its own without a word. :func:`check_model_in_scope`
-finds the mismatch before ``fit`` starts and says what to do.
+finds the mismatch before ``fit`` starts and says what to do. A model no strategy touched is
+plain Keras and trains; in a job of several ranks each rank trains its own copy on all of the
+data, which :func:`warn_if_trained_alone` says, once, where it is most likely a forgotten scope.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import tensorflow as tf
 
@@ -53,3 +57,21 @@ def check_model_in_scope(model, strategy_class: type) -> None:
     raise ValueError(
         f"tf_poseidon: the model cannot be trained with PoseidonStrategy: {problem}. Build and "
         f"compile the model under strategy.scope(), then call fit:\n{_EXAMPLE}")
+
+
+def warn_if_trained_alone(model, world_size: int, rank: int) -> None:
+    """Warns (a UserWarning, on rank 0 only) where ``fit`` is about to train ``model``, built
+    and compiled under no strategy and fit outside any scope, in a job of ``world_size`` > 1
+    ranks: every rank then trains its own copy on all of the data and nothing is exchanged,
+    which is what a forgotten ``strategy.scope()`` does. A model each rank is meant to train
+    on its own is legitimate: the warning is Python's, to be filtered as any other. Called by
+    ``fit`` (keras_integration.py) after :func:`check_model_in_scope`; no collective.
+    """
+    if (world_size <= 1 or rank != 0 or getattr(model, "_distribute_strategy", None) is not None
+            or tf.distribute.has_strategy()):
+        return
+    warnings.warn(
+        f"tf_poseidon: fit in a job of {world_size} ranks on a model built outside "
+        f"strategy.scope(): each rank trains its own copy on all of the data, exchanging "
+        f"nothing. To train it data-parallel, build and compile it under the scope of a "
+        f"PoseidonStrategy, then call fit:\n{_EXAMPLE}", UserWarning, stacklevel=3)

@@ -4,7 +4,8 @@
     misbehave.py mismatch       rank 1 builds a wider hidden layer than rank 0
     misbehave.py outside_scope  the model is built outside strategy.scope() (compiled inside)
     misbehave.py verbose        nobody misbehaves; fit, evaluate and predict print their progress
-                                bars (verbose=1)
+                                bars (verbose=1); then a model under no strategy is fit (each
+                                rank trains its own copy: rank 0 warns)
     misbehave.py hang           rank 1 stops for 600 s before its 4th training batch (alive, stuck)
 """
 
@@ -52,6 +53,9 @@ def main(behaviour: str) -> None:
     if behaviour == "verbose":
         model.evaluate(x, y, batch_size=64, verbose=1)
         model.predict(x, batch_size=64, verbose=1)
+        alone = keras.Sequential([keras.Input((10,)), keras.layers.Dense(2)])
+        alone.compile(optimizer="sgd", loss="mse")
+        alone.fit(x, x[:, :2], batch_size=64, epochs=1, verbose=0)
     print(f"rank {tp.rank()} final loss {history.history['loss'][-1]:.6f}", flush=True)
 
 
