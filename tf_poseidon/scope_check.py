@@ -8,7 +8,7 @@ tf.distribute.Strategy.scope()", "Need to be inside "with strategy.scope()""), o
 optimizer without slots, trains each rank on its own without a word. :func:`check_model_in_scope`
 finds the mismatch before ``fit`` starts and says what to do. A model no strategy touched is
 plain Keras and trains; in a job of several ranks each rank trains its own copy on all of the
-data, which :func:`warn_if_trained_alone` says, once, where it is most likely a forgotten scope.
+data, which :func:`warn_if_trained_alone` says on rank 0: most likely a forgotten scope.
 """
 
 from __future__ import annotations
