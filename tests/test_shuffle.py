@@ -190,7 +190,9 @@ def test_a_dataset_seeded_alike_gives_every_rank_the_same_order_as_one_process(j
     ("different", r"^tf_poseidon: the ranks were given different data \(rank 0: [^;]*, "
                   r"shuffled with seeds \[\(5, \d+\)\]; rank 1: [^;]*, shuffled with seeds "
                   r"\[\(6, \d+\)\](; rank 2: [^;]*, shuffled with seeds \[\(7, \d+\)\])?\)\."
-                  r".*shuffled with the same seed")])
+                  r".*shuffled with the same seed \(here the seeds differ: pass the same "
+                  r"seed to every shuffle, or call keras\.utils\.set_random_seed\(\.\.\.\) "
+                  r"with the same seed on every rank")])
 def test_a_dataset_that_would_shuffle_differently_on_each_rank_is_refused(jobs, scenario,
                                                                            message):
     for ranks in (2, 3):

@@ -241,11 +241,16 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             text += f", shuffled with seeds {d['shuffles']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
+    seeds = (" (here the seeds differ: pass the same seed to every shuffle, or call "
+             "keras.utils.set_random_seed(...) with the same seed on every rank before building "
+             "the pipeline; keras.utils.image_dataset_from_directory and the text and audio "
+             "ones given no seed draw theirs from numpy's global generator)"
+             if shuffles_differ else "")
     _refuse_on_every_rank(
         f"the ranks were given different data ({sides}). fit, evaluate and predict take the "
         "same global data on every rank and give each rank its share of every batch: pass the "
-        "same arrays or dataset to every rank, shuffled with the same seed; to give each rank "
-        "data of its own, use strategy.distribute_datasets_from_function.",
+        f"same arrays or dataset to every rank, shuffled with the same seed{seeds}; to give "
+        "each rank data of its own, use strategy.distribute_datasets_from_function.",
         lambda: gather(description))
 
 
