@@ -48,6 +48,9 @@ SCENARIOS = {
                       r"distribute_datasets_from_function"],
     "lengths_rows": [r"ValueError: the ranks were given different data \(rank 0: 4 batches of "
                      r"32, the last of 4; rank 1: 4 batches of 32, the last of 14\)"],
+    "values": [r"ValueError: the ranks were given different data \(rank 0: 4 batches of 32, "
+               r"the last of 4; rank 1: 4 batches of 32, the last of 4; the same sizes, other "
+               r"values: arrays split or permuted at random on each rank, unseeded"],
 }
 
 

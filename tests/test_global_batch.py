@@ -2,11 +2,14 @@
 PoseidonStrategy (keras_integration._on_global_batch), in this process: every rank describes
 its batch (data.describe_batch) and the ranks compare. The ranks are stood in for by the
 descriptions a ``gather`` returns; the multi-rank form is tests/test_keras_steps.py's
-``on-batch`` and ``on-batch-mismatch``."""
+``on-batch`` and ``on-batch-mismatch``. The same for ``fit``'s arrays (data.describe_input,
+data.check_same_input): their sizes and a digest of their values; the multi-rank form is
+tests/test_collective_agreement.py's ``values``."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src.trainers.data_adapters import array_data_adapter
 
 from tf_poseidon import data
 
@@ -46,3 +49,38 @@ def test_ranks_with_the_same_batch_pass_and_different_batches_are_refused_naming
                                          r"rank 1: \(4, 4\)"):
         data.check_same_batch("test_on_batch", mine,
                               lambda d: [d, data.describe_batch(batch(IMAGES[:4]))])
+
+
+def fit_input(x, y, **kwargs) -> dict:
+    """data.describe_input of the adapter Keras makes for ``fit(x, y, **kwargs)``."""
+    adapter = array_data_adapter.ArrayDataAdapter(x, y, batch_size=16, shuffle=True, **kwargs)
+    return data.describe_input(adapter)
+
+
+def test_fit_arrays_describe_alike_only_with_the_same_values_in_the_same_order():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(1000, 3, 2)).astype("float32"), rng.integers(0, 2, size=1000)
+    words = tf.constant([f"w{i}" for i in range(1000)])
+    mine = fit_input({"x": x, "words": words}, y)
+    assert mine == fit_input({"x": x.copy(), "words": tf.identity(words)}, y.copy())
+    assert mine == fit_input({"x": tf.constant(x), "words": words}, tf.constant(y))
+    order = rng.permutation(1000)
+    for other in [{"x": x[order], "words": tf.gather(words, order)}, {"x": x + 1, "words": words},
+                  {"x": x, "words": tf.roll(words, 1, 0)}]:
+        theirs = fit_input(other, y)
+        assert theirs != mine
+        assert {k: v for k, v in theirs.items() if k != "values"} == {
+            k: v for k, v in mine.items() if k != "values"}
+    assert fit_input({"x": x, "words": words}, y, sample_weight=np.ones(1000)) != mine
+    assert fit_input(x[:0], y[:0])["values"] == fit_input(x[:0] + 1, y[:0])["values"]
+
+
+def test_arrays_that_differ_only_in_values_are_refused_saying_so():
+    mine = fit_input(IMAGES, np.arange(5))
+    other = fit_input(IMAGES[::-1], np.arange(5))
+    with pytest.raises(ValueError, match=r"the ranks were given different data \(rank 0: 1 "
+                       r"batches of 16, the last of 5; rank 1: 1 batches of 16, the last of 5; "
+                       r"the same sizes, other values: arrays split or permuted at random on "
+                       r"each rank, unseeded \(e\.g\. sklearn's train_test_split without "
+                       r"random_state\), or each rank's own data\)"):
+        data.check_same_input(mine, lambda d: [d, other])

@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src import tree
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.ops import shuffle_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
@@ -187,8 +189,9 @@ def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
 def describe_input(adapter) -> dict:
     """What a Keras data adapter says about its input (the same on every rank that was given the
     same global data): batches per epoch, batch size, the last batch's size (None where the
-    adapter does not know, as for a ``tf.data`` pipeline of unknown length) and, for a
-    ``tf.data`` pipeline, its shuffles' seeds (:func:`shuffle_seeds`)."""
+    adapter does not know, as for a ``tf.data`` pipeline of unknown length), for a ``tf.data``
+    pipeline its shuffles' seeds (:func:`shuffle_seeds`), and for arrays a digest of their
+    values (:func:`arrays_digest`)."""
     def known(name):
         try:
             return getattr(adapter, name)
@@ -199,7 +202,33 @@ def describe_input(adapter) -> dict:
     dataset = getattr(adapter, "_dataset", None)
     return {"batches": known("num_batches"), "batch_size": known("batch_size"),
             "last_batch": known("partial_batch_size") or None,
-            "shuffles": shuffle_seeds(dataset) if isinstance(dataset, tf.data.Dataset) else []}
+            "shuffles": shuffle_seeds(dataset) if isinstance(dataset, tf.data.Dataset) else [],
+            "values": (arrays_digest(adapter._inputs, adapter._num_samples)
+                       if isinstance(adapter, array_data_adapter.ArrayDataAdapter) else None)}
+
+
+def arrays_digest(arrays, rows: int) -> str:
+    """A digest of the values of ``arrays`` (a nested structure of array-likes of ``rows``
+    rows, as ``fit(x, y, sample_weight)`` takes them): of at most 64 evenly spaced rows, each
+    leaf's at most 64 evenly spaced values per row. Cheap whatever the arrays' size, and
+    different, but for a chance of 2**-64, for arrays in another order (a split or
+    permutation drawn differently on each rank) or with other values at those places."""
+    picked_rows = np.unique(np.linspace(0, max(rows - 1, 0), min(rows, 64), dtype=np.int64))
+    digest = hashlib.blake2b(digest_size=8)
+    if not len(picked_rows):
+        return digest.hexdigest()
+    for array in tree.flatten(arrays):
+        try:
+            sliceable = array_slicing.convert_to_sliceable(array, target_backend="numpy")
+        except (TypeError, ValueError):  # what Keras cannot slice, its fit refuses itself
+            digest.update(type(array).__name__.encode())
+            continue
+        picked = np.asarray(sliceable.convert_to_numpy(sliceable[picked_rows]))
+        picked = picked.reshape(len(picked_rows), -1)
+        columns = np.unique(np.linspace(0, max(picked.shape[1] - 1, 0),
+                                        min(picked.shape[1], 64), dtype=np.int64))
+        digest.update(repr(picked[:, columns].tolist()).encode())
+    return digest.hexdigest()
 
 
 def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
@@ -227,6 +256,8 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     if all(d == everyone[0] for d in everyone):
         return
     shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
+    only_values_differ = all({k: v for k, v in d.items() if k != "values"} == {
+        k: v for k, v in everyone[0].items() if k != "values"} for d in everyone)
 
     def said(rank, d):
         if d["batches"] is None:
@@ -241,6 +272,10 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             text += f", shuffled with seeds {d['shuffles']}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
+    if only_values_differ:
+        sides += ("; the same sizes, other values: arrays split or permuted at random on each "
+                  "rank, unseeded (e.g. sklearn's train_test_split without random_state), or "
+                  "each rank's own data")
     seeds = (" (here the seeds differ: pass the same seed to every shuffle, or call "
              "keras.utils.set_random_seed(...) with the same seed on every rank before building "
              "the pipeline; keras.utils.image_dataset_from_directory and the text and audio "

@@ -13,6 +13,8 @@
                                  there comes a minute late)
     diverge.py lengths_steps     rank 0 gets 100 rows, rank 1 130 (batch 32: 4 vs 5 steps)
     diverge.py lengths_rows      rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
+    diverge.py values            both ranks get 100 rows, rank 1 in another order (a split drawn
+                                 on each rank without a seed)
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -90,6 +92,10 @@ def main(scenario: str) -> None:
         x[4 * 32 + 22] = np.nan
         model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False,
                   callbacks=[*stopping, SlowSecondEpochOnRankZero()])
+    elif scenario == "values":
+        order = np.arange(100) if tp.rank() == 0 else np.random.default_rng(1).permutation(100)
+        diverging()
+        model.fit(x[order], y[order], batch_size=32, epochs=1, verbose=0)
     else:
         mine = 100 if tp.rank() == 0 else {"lengths_steps": 130, "lengths_rows": 110}[scenario]
         diverging()
