@@ -75,6 +75,17 @@ def test_fit_arrays_describe_alike_only_with_the_same_values_in_the_same_order()
     assert fit_input(x[:0], y[:0])["values"] == fit_input(x[:0] + 1, y[:0])["values"]
 
 
+def test_sparse_and_ragged_arrays_describe_alike_only_in_the_same_order():
+    dense = np.eye(12, dtype="float32")
+    ragged = [[float(i)] * (1 + i % 3) for i in range(12)]
+    order = np.roll(np.arange(12), 5)
+    for same, other in [(tf.sparse.from_dense(dense), tf.sparse.from_dense(dense[order])),
+                        (tf.ragged.constant(ragged), tf.ragged.constant([ragged[i]
+                                                                         for i in order]))]:
+        assert fit_input(same, np.arange(12)) == fit_input(same, np.arange(12))
+        assert fit_input(same, np.arange(12)) != fit_input(other, np.arange(12))
+
+
 def test_arrays_that_differ_only_in_values_are_refused_saying_so():
     mine = fit_input(IMAGES, np.arange(5))
     other = fit_input(IMAGES[::-1], np.arange(5))
