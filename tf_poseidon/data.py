@@ -256,8 +256,8 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     if all(d == everyone[0] for d in everyone):
         return
     shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
-    only_values_differ = all({k: v for k, v in d.items() if k != "values"} == {
-        k: v for k, v in everyone[0].items() if k != "values"} for d in everyone)
+    sizes = [{key: value for key, value in d.items() if key != "values"} for d in everyone]
+    only_values_differ = all(s == sizes[0] for s in sizes)
 
     def said(rank, d):
         if d["batches"] is None:

@@ -790,12 +790,17 @@ def _agree_on_batch_order(adapter, engine) -> None:
         enqueuer.tf_poseidon_passes = True
     if not adapter.shuffle:
         return
-    generator = data_lib.agreed_python_random(
-        lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
+    generator = data_lib.agreed_python_random(_broadcast_from_rank0(engine))
     ordered = data_lib.AgreedBatchOrder(adapter.py_dataset, generator)
     adapter.shuffle, adapter.py_dataset = False, ordered
     if enqueuer is not None:
         enqueuer.shuffle, enqueuer.py_dataset = False, ordered
+
+
+def _broadcast_from_rank0(engine):
+    """``broadcast_from_rank0(value) -> rank 0's value`` over ``engine``, as data.py's
+    agreements on a shuffle take it (a collective on every rank)."""
+    return lambda value: engine.call(lambda comm: comm.bcast(value, root=0))
 
 
 def _begin_pass(original):
@@ -856,9 +861,8 @@ def _epoch_dataset(original):
             return original(self)
         seeds = self.__dict__.get("_tp_epoch_seeds")
         if seeds is None:
-            engine = extended.engine
             seeds = self._tp_epoch_seeds = data_lib.agreed_permutation_seeds(
-                lambda value: engine.call(lambda comm: comm.bcast(value, root=0)))
+                _broadcast_from_rank0(extended.engine))
         with data_lib.tracing_seed(next(seeds)):
             dataset = adapter.get_tf_dataset()
         return self._distribute_strategy.experimental_distribute_dataset(dataset)
