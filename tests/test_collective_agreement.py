@@ -51,6 +51,9 @@ SCENARIOS = {
     "values": [r"ValueError: the ranks were given different data \(rank 0: 4 batches of 32, "
                r"the last of 4; rank 1: 4 batches of 32, the last of 4; the same sizes, other "
                r"values: arrays split or permuted at random on each rank, unseeded"],
+    "shards": [r"ValueError: the ranks were given different data \(rank 0: 4 batches, keeping "
+               r"shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)",
+               r"Dataset\.shard\(num_workers, rank\) as in a Horovod script"],
 }
 
 

@@ -4,12 +4,13 @@ its batch (data.describe_batch) and the ranks compare. The ranks are stood in fo
 descriptions a ``gather`` returns; the multi-rank form is tests/test_keras_steps.py's
 ``on-batch`` and ``on-batch-mismatch``. The same for ``fit``'s arrays (data.describe_input,
 data.check_same_input): their sizes and a digest of their values; the multi-rank form is
-tests/test_collective_agreement.py's ``values``."""
+tests/test_collective_agreement.py's ``values``. And for a ``tf.data`` pipeline, the parts of its
+sources it keeps (data.selections); the multi-rank form is ``shards`` there."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_data_adapter
+from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
 
 from tf_poseidon import data
 
@@ -90,8 +91,47 @@ def test_arrays_that_differ_only_in_values_are_refused_saying_so():
     mine = fit_input(IMAGES, np.arange(5))
     other = fit_input(IMAGES[::-1], np.arange(5))
     with pytest.raises(ValueError, match=r"the ranks were given different data \(rank 0: 1 "
-                       r"batches of 16, the last of 5; rank 1: 1 batches of 16, the last of 5; "
+                       r"batch of 16, the last of 5; rank 1: 1 batch of 16, the last of 5; "
                        r"the same sizes, other values: arrays split or permuted at random on "
                        r"each rank, unseeded \(e\.g\. sklearn's train_test_split without "
                        r"random_state\), or each rank's own data\)"):
         data.check_same_input(mine, lambda d: [d, other])
+
+
+def pipeline_input(dataset: tf.data.Dataset) -> dict:
+    """data.describe_input of the adapter Keras makes for ``fit(dataset)``."""
+    return data.describe_input(tf_dataset_adapter.TFDatasetAdapter(dataset))
+
+
+def test_pipelines_keeping_other_parts_of_their_sources_describe_differently():
+    files = tf.data.Dataset.from_tensor_slices([f"part-{i}" for i in range(8)])
+    def sharded(rank):  # a Horovod script's pipeline: its own files, then its own records
+        return files.shard(2, rank).interleave(
+            lambda name: tf.data.Dataset.from_tensors(name).repeat(4)).skip(rank).batch(4)
+    assert data.selections(sharded(1)) == ["skip(1)", "shard(2, 1)"]
+    assert pipeline_input(sharded(0)) == pipeline_input(sharded(0))
+    assert pipeline_input(sharded(0)) != pipeline_input(sharded(1))
+    assert data.selections(files.batch(4)) == []
+    found = []
+
+    @tf.function
+    def build(index):  # a pipeline built in a tf.function: its values are not known
+        found.extend(data.selections(files.shard(2, index)))
+        return 0
+    build(tf.constant(1, tf.int64))
+    assert found == ["shard(?)"]
+
+
+def test_a_pipeline_sharded_by_rank_is_refused_naming_each_ranks_part_and_the_fix():
+    dataset = tf.data.Dataset.range(64)
+    mine, theirs = (pipeline_input(dataset.shard(2, r).batch(8)) for r in (0, 1))
+    with pytest.raises(ValueError, match=r"given different data \(rank 0: 4 batches, keeping "
+                       r"shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)\..*"
+                       r"Dataset\.shard\(num_workers, rank\) as in a Horovod script: "
+                       r"tf_poseidon splits every global batch between the ranks itself"):
+        data.check_same_input(mine, lambda d: [d, theirs])
+    skipped = pipeline_input(dataset.skip(32).batch(8))
+    with pytest.raises(ValueError, match=r"rank 0: 4 batches, keeping every element; rank 1: "
+                       r"4 batches, keeping skip\(32\)\)"):
+        data.check_same_input(pipeline_input(dataset.take(32).batch(8)),
+                              lambda d: [d, skipped])

@@ -11,7 +11,9 @@ number of batches, so epochs end on every rank together without any extra commun
 
 Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, so a pipeline
 that shuffles must shuffle alike on every rank: :func:`check_same_input` refuses one whose
-shuffles have no seed or seeds that differ between the ranks. Keras' own shuffling is given
+shuffles have no seed or seeds that differ between the ranks, and one that keeps another part
+of its sources on each rank (``Dataset.shard(P, rank)``, as a Horovod script shards its
+data: every rank would take its slice of a batch of its own shard). Keras' own shuffling is given
 seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
 :func:`agreed_permutation_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s
 batches (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`; both
@@ -37,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
-from tensorflow.python.data.ops import shuffle_op
+from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
@@ -160,29 +162,63 @@ def end_together(dataset: tf.data.Dataset,
     return dataset.take(shortest)
 
 
-def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
-    """The (seed, seed2) of every ``Dataset.shuffle`` in ``dataset``'s pipeline, from the
-    output back to the sources; None for a shuffle with neither its own seed nor a global one,
-    whose order TensorFlow draws afresh in every process; (-1, -1) for a seed held in a
-    symbolic tensor (a pipeline built in a tf.function), which is not checked. Follows the
-    datasets' Python-side inputs: a shuffle inside a function (``interleave``, ``flat_map``)
+def _pipeline(dataset: tf.data.Dataset) -> Iterator[tf.data.Dataset]:
+    """``dataset`` and every dataset it reads, from the output back to the sources, through
+    their Python-side inputs: a dataset built inside a function (``interleave``, ``flat_map``)
     is not seen."""
-    found, pending, seen = [], [dataset], set()
+    pending, seen = [dataset], set()
     while pending:
         node = pending.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if isinstance(node, shuffle_op._ShuffleDataset):  # pylint: disable=protected-access
-            try:
-                seeds = tuple(int(s or 0) for s in (node._seed, node._seed2))
-            except TypeError:  # a symbolic seed (built in a tf.function): not known here
-                seeds = (-1, -1)
-            found.append(seeds if any(seeds) else None)
+        yield node
         try:
             pending.extend(node._inputs())  # pylint: disable=protected-access
         except (AttributeError, NotImplementedError, TypeError):
             pass
+
+
+def _known_ints(*values) -> tuple[int, ...] | None:
+    """The values (Python numbers, None as 0, or eager tensors) as ints; None where one is a
+    symbolic tensor (a pipeline built in a tf.function), not known here."""
+    try:
+        return tuple(int(v or 0) for v in values)
+    except TypeError:
+        return None
+
+
+def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
+    """The (seed, seed2) of every ``Dataset.shuffle`` in ``dataset``'s pipeline
+    (:func:`_pipeline`); None for a shuffle with neither its own seed nor a global one, whose
+    order TensorFlow draws afresh in every process; (-1, -1) for a seed held in a symbolic
+    tensor, which is not checked."""
+    found = []
+    for node in _pipeline(dataset):
+        # pylint: disable=protected-access
+        if isinstance(node, shuffle_op._ShuffleDataset):
+            seeds = _known_ints(node._seed, node._seed2) or (-1, -1)
+            found.append(seeds if any(seeds) else None)
+    return found
+
+
+def selections(dataset: tf.data.Dataset) -> list[str]:
+    """Where ``dataset``'s pipeline (:func:`_pipeline`) keeps part of its source's elements by
+    position: each ``Dataset.shard(num_shards, index)`` and ``skip(count)``, as the text of the
+    call ("shard(2, 1)", "skip(32)"; "?" for a symbolic value). Ranks given the same global
+    pipeline have the same; a pipeline sharded by rank, as a Horovod script shards its data,
+    does not."""
+    found = []
+    for node in _pipeline(dataset):
+        # pylint: disable=protected-access
+        if isinstance(node, shard_op._ShardDataset):
+            call, values = "shard", (node._num_shards, node._index)
+        elif isinstance(node, skip_op._SkipDataset):
+            call, values = "skip", (node._count,)
+        else:
+            continue
+        known = _known_ints(*values)
+        found.append(f"{call}({', '.join(map(str, known)) if known else '?'})")
     return found
 
 
@@ -190,19 +226,21 @@ def describe_input(adapter) -> dict:
     """What a Keras data adapter says about its input (the same on every rank that was given the
     same global data): batches per epoch, batch size, the last batch's size (None where the
     adapter does not know, as for a ``tf.data`` pipeline of unknown length), for a ``tf.data``
-    pipeline its shuffles' seeds (:func:`shuffle_seeds`), and for arrays a digest of their
-    values (:func:`arrays_digest`)."""
+    pipeline its shuffles' seeds (:func:`shuffle_seeds`) and the parts of its sources it keeps
+    (:func:`selections`), and for arrays a digest of their values (:func:`arrays_digest`)."""
     def known(name):
         try:
             return getattr(adapter, name)
         except (NotImplementedError, AttributeError, TypeError, ValueError):
             return None
     # A distributed dataset (RankLocalDataset) may be rank-local by design
-    # (distribute_datasets_from_function): only a global pipeline's shuffles must agree.
+    # (distribute_datasets_from_function): only a global pipeline's must agree.
     dataset = getattr(adapter, "_dataset", None)
+    pipeline = isinstance(dataset, tf.data.Dataset)
     return {"batches": known("num_batches"), "batch_size": known("batch_size"),
             "last_batch": known("partial_batch_size") or None,
-            "shuffles": shuffle_seeds(dataset) if isinstance(dataset, tf.data.Dataset) else [],
+            "shuffles": shuffle_seeds(dataset) if pipeline else [],
+            "selections": selections(dataset) if pipeline else [],
             "values": (arrays_digest(adapter._inputs, adapter._num_samples)
                        if isinstance(adapter, array_data_adapter.ArrayDataAdapter) else None)}
 
@@ -256,6 +294,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     if all(d == everyone[0] for d in everyone):
         return
     shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
+    selections_differ = any(d["selections"] != everyone[0]["selections"] for d in everyone)
     sizes = [{key: value for key, value in d.items() if key != "values"} for d in everyone]
     only_values_differ = all(s == sizes[0] for s in sizes)
 
@@ -263,13 +302,15 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
         if d["batches"] is None:
             text = f"rank {rank}: a dataset of unknown length"
         else:
-            text = f"rank {rank}: {d['batches']} batches"
+            text = f"rank {rank}: {d['batches']} batch{'es' if d['batches'] != 1 else ''}"
             if d["batch_size"] is not None:
                 text += f" of {d['batch_size']}"
                 if d["last_batch"]:
                     text += f", the last of {d['last_batch']}"
         if shuffles_differ:
             text += f", shuffled with seeds {d['shuffles']}"
+        if selections_differ:
+            text += f", keeping {' then '.join(reversed(d['selections'])) or 'every element'}"
         return text
     sides = "; ".join(said(r, d) for r, d in enumerate(everyone))
     if only_values_differ:
@@ -281,11 +322,16 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
              "the pipeline; keras.utils.image_dataset_from_directory and the text and audio "
              "ones given no seed draw theirs from numpy's global generator)"
              if shuffles_differ else "")
+    parts = (" (here each rank keeps another part of the data, e.g. Dataset.shard(num_workers, "
+             "rank) as in a Horovod script: tf_poseidon splits every global batch between the "
+             "ranks itself, so build the same pipeline on every rank without it, batched by the "
+             "global batch size: the batch per rank times the number of ranks)"
+             if selections_differ else "")
     _refuse_on_every_rank(
         f"the ranks were given different data ({sides}). fit, evaluate and predict take the "
         "same global data on every rank and give each rank its share of every batch: pass the "
-        f"same arrays or dataset to every rank, shuffled with the same seed{seeds}; to give "
-        "each rank data of its own, use strategy.distribute_datasets_from_function.",
+        f"same arrays or dataset to every rank{parts}, shuffled with the same seed{seeds}; to "
+        "give each rank data of its own, use strategy.distribute_datasets_from_function.",
         lambda: gather(description))
 
 

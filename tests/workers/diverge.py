@@ -15,6 +15,8 @@
     diverge.py lengths_rows      rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
     diverge.py values            both ranks get 100 rows, rank 1 in another order (a split drawn
                                  on each rank without a seed)
+    diverge.py shards            a tf.data pipeline of 128 rows sharded by rank, as a Horovod
+                                 script shards its data (Dataset.shard(2, rank): 4 batches each)
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -96,6 +98,10 @@ def main(scenario: str) -> None:
         order = np.arange(100) if tp.rank() == 0 else np.random.default_rng(1).permutation(100)
         diverging()
         model.fit(x[order], y[order], batch_size=32, epochs=1, verbose=0)
+    elif scenario == "shards":
+        rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
+        diverging()
+        model.fit(rows.shard(tp.size(), tp.rank()).batch(16), epochs=1, verbose=0)
     else:
         mine = 100 if tp.rank() == 0 else {"lengths_steps": 130, "lengths_rows": 110}[scenario]
         diverging()
