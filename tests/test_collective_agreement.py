@@ -51,6 +51,11 @@ SCENARIOS = {
     "values": [r"ValueError: the ranks were given different data \(rank 0: 4 batches of 32, "
                r"the last of 4; rank 1: 4 batches of 32, the last of 4; the same sizes, other "
                r"values: arrays split or permuted at random on each rank, unseeded"],
+    "chief_checkpoint": [MISMATCH + r"rank 0 posted control-plane call 'work of rank 0 that "
+                         r"the other ranks wait for \(a save, a checkpoint, an export\)'; rank "
+                         r"1 posted gradients step \d+ \(",
+                         r"a callback that saves \(tp\.callbacks\.ModelCheckpoint, "
+                         r"BackupAndRestore\) was given to fit on some ranks only"],
     "shards": [r"ValueError: the ranks were given different data \(rank 0: 4 batches, keeping "
                r"shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)",
                r"Dataset\.shard\(num_workers, rank\) as in a Horovod script"],
@@ -84,8 +89,8 @@ def run_tagged(*args: str) -> tuple[int, list[tuple[float, str]], float]:
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_diverging_ranks_end_the_job_naming_both_sides_on_every_rank(scenario):
-    status, lines, ended = run_tagged(scenario)
+def test_diverging_ranks_end_the_job_naming_both_sides_on_every_rank(scenario, tmp_path):
+    status, lines, ended = run_tagged(scenario, str(tmp_path))
     output = "\n".join(line for _, line in lines)
     assert status != 0, output[-3000:]
     assert "rank 0 finished" not in output, output[-3000:]

@@ -14,15 +14,15 @@ give up with :class:`~tf_poseidon.comm.engine.CollectiveTimeoutError`, naming th
 
 A rank 0 that dies ends the job through Open MPI within seconds, as any rank's death does.
 
-Messages travel on a duplicate of the job's communicator (made collectively on the first
-call, on the engine thread, so that it is ordered with the engine's collectives), with tag
-:data:`HEARTBEAT_TAG`: two int64, the call's serial number (every rank counts its calls; a
-mismatch means the ranks are at different save points) and the value (:data:`ALIVE`,
-:data:`FAILED`, or the result). MPI keeps messages of one sender and tag in order, so every
-heartbeat of a call arrives before its outcome. The heartbeat thread and the waiting ranks'
-main threads call MPI while the engine thread may too: ``MPI_THREAD_MULTIPLE``, which
-world.py requires. Waits poll with sleeps growing to 5 ms (a blocking MPI wait would spin a
-core).
+Every call starts with a control-plane collective on the engine thread, which checks that every
+rank is at such a call (comm/agreement.py) and, on the first call, duplicates the job's
+communicator. Messages travel on that duplicate, with tag :data:`HEARTBEAT_TAG`: two int64, the
+call's serial number (every rank counts its calls; a mismatch means the ranks are at different
+save points) and the value (:data:`ALIVE`, :data:`FAILED`, or the result). MPI keeps messages
+of one sender and tag in order, so every heartbeat of a call arrives before its outcome. The
+heartbeat thread and the waiting ranks' main threads call MPI while the engine thread may too:
+``MPI_THREAD_MULTIPLE``, which world.py requires. Waits poll with sleeps growing to 5 ms (a
+blocking MPI wait would spin a core).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ FAILED = -2
 _FIRST_SLEEP_S = 50e-6
 _LONGEST_SLEEP_S = 5e-3
 
+AGREED_AS = "work of rank 0 that the other ranks wait for (a save, a checkpoint, an export)"
+"""The label of the control-plane call that starts every :func:`run`."""
+
 _comm = None
 _serials = itertools.count(1)
 
@@ -55,11 +58,14 @@ def _mpi():
 
 
 def _channel(engine: CommEngine):
-    """The communicator of this module's messages, duplicated on the first call (collective)."""
+    """The communicator of this module's messages, duplicated on the first call. Every call is
+    a control-plane collective, agreed as every engine call is (comm/agreement.py): a rank at
+    another point of its program (a save, or a checkpoint callback, run on some ranks only)
+    ends the job with CollectiveMismatchError naming both points, where it would otherwise take
+    the messages of another save point for this one's, or none would wait for rank 0."""
     global _comm
-    if _comm is None:
-        _comm = timeouts.engine_call(engine, lambda comm: comm.Dup(), timeouts.step_s(),
-                                     "setting up rank 0's heartbeats", "TF_POSEIDON_TIMEOUT")
+    _comm = timeouts.engine_call(engine, lambda comm: _comm or comm.Dup(), timeouts.step_s(),
+                                 AGREED_AS, "TF_POSEIDON_TIMEOUT")
     return _comm
 
 

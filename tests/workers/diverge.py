@@ -1,22 +1,29 @@
 """Worker for test_collective_agreement.py: ranks that post different collectives.
 
-    diverge.py chief_evaluate    after fit, only rank 0 runs evaluate (`if tp.is_chief():`)
-    diverge.py callback          a callback reduces on rank 0 only, at the end of epoch 1
-    diverge.py terminate_on_nan  SSP (staleness 2): a NaN in rank 0's rows of batch 3 makes
-                                 TerminateOnNaN stop training on rank 0 only
-    diverge.py terminate_on_nan_easgd
-                                 asynchronous EASGD (τ = 2): a NaN in rank 1's rows of the last
-                                 batch of epoch 1 makes TerminateOnNaN end fit on rank 1 after
-                                 that epoch while rank 0 trains epoch 2, in which rank 0 waits 2 s
-                                 before its second batch and 60 s before its fourth (the ranks
-                                 meet next at the end of that epoch, so a mismatch found only
-                                 there comes a minute late)
-    diverge.py lengths_steps     rank 0 gets 100 rows, rank 1 130 (batch 32: 4 vs 5 steps)
-    diverge.py lengths_rows      rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
-    diverge.py values            both ranks get 100 rows, rank 1 in another order (a split drawn
-                                 on each rank without a seed)
-    diverge.py shards            a tf.data pipeline of 128 rows sharded by rank, as a Horovod
-                                 script shards its data (Dataset.shard(2, rank): 4 batches each)
+    diverge.py SCENARIO DIR
+
+DIR holds the files a scenario writes. The scenarios:
+
+    chief_evaluate    after fit, only rank 0 runs evaluate (`if tp.is_chief():`)
+    callback          a callback reduces on rank 0 only, at the end of epoch 1
+    terminate_on_nan  SSP (staleness 2): a NaN in rank 0's rows of batch 3 makes
+                      TerminateOnNaN stop training on rank 0 only
+    terminate_on_nan_easgd
+                      asynchronous EASGD (τ = 2): a NaN in rank 1's rows of the last
+                      batch of epoch 1 makes TerminateOnNaN end fit on rank 1 after
+                      that epoch while rank 0 trains epoch 2, in which rank 0 waits 2 s
+                      before its second batch and 60 s before its fourth (the ranks
+                      meet next at the end of that epoch, so a mismatch found only
+                      there comes a minute late)
+    lengths_steps     rank 0 gets 100 rows, rank 1 130 (batch 32: 4 vs 5 steps)
+    lengths_rows      rank 0 gets 100 rows, rank 1 110 (4 steps each, last 4 vs 14)
+    values            both ranks get 100 rows, rank 1 in another order (a split drawn
+                      on each rank without a seed)
+    chief_checkpoint  both ranks save the model, then only rank 0 gives fit a
+                      tp.callbacks.ModelCheckpoint (`if tp.is_chief():`, as Horovod
+                      scripts add theirs)
+    shards            a tf.data pipeline of 128 rows sharded by rank, as a Horovod
+                      script shards its data (Dataset.shard(2, rank): 4 batches each)
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -63,7 +70,7 @@ class SlowSecondEpochOnRankZero(keras.callbacks.Callback):
             time.sleep({1: 2, 3: 60}.get(batch, 0))
 
 
-def main(scenario: str) -> None:
+def main(scenario: str, out: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(160, 8)).astype("float32")
     y = rng.normal(size=(160, 1)).astype("float32")
@@ -98,6 +105,12 @@ def main(scenario: str) -> None:
         order = np.arange(100) if tp.rank() == 0 else np.random.default_rng(1).permutation(100)
         diverging()
         model.fit(x[order], y[order], batch_size=32, epochs=1, verbose=0)
+    elif scenario == "chief_checkpoint":
+        model.save(os.path.join(out, "start.keras"))  # the collective saves have begun alike
+        diverging()
+        saving = [tp.callbacks.ModelCheckpoint(os.path.join(out, "epoch{epoch}.keras"))]
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0,
+                  callbacks=saving if tp.is_chief() else [])
     elif scenario == "shards":
         rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
         diverging()
@@ -110,4 +123,4 @@ def main(scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

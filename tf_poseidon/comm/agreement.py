@@ -135,8 +135,11 @@ def mismatch_message(sides: Sequence[tuple[str, str]], training: Collection[str]
         message += (" One rank was still training while another had moved on: the ranks ran "
                     "different numbers of steps (different data on each rank: pass the same "
                     "global data to every rank, or use "
-                    "strategy.distribute_datasets_from_function), or a callback or "
-                    "TerminateOnNaN stopped training on some ranks only.")
+                    "strategy.distribute_datasets_from_function), a callback or "
+                    "TerminateOnNaN stopped training on some ranks only, or a callback that "
+                    "saves (tp.callbacks.ModelCheckpoint, BackupAndRestore) was given to fit on "
+                    "some ranks only (e.g. under `if tp.is_chief():`): fit's callbacks must be "
+                    "the same on every rank.")
     else:
         message += (" Look for a collective (evaluate, predict, strategy.reduce/gather, a "
                     "callback that reduces) that runs on some ranks only.")
