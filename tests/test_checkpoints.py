@@ -145,6 +145,35 @@ def test_resume_matches_uninterrupted_run(tmp_path, interrupted, num_ranks):
     assert not backup.exists()
 
 
+@pytest.mark.multirank
+def test_a_custom_loops_tensorflow_checkpoints_are_written_by_rank0_for_every_rank(tmp_path):
+    # Before rank 0 wrote them (and tf.saved_model.save's variables) alone, ranks writing one
+    # prefix at once deleted each other's temporary files: "MergeV2Checkpoints ... did not
+    # exist" within a few saves.
+    check(run_job(3, "tf_checkpoint.py", str(tmp_path))[0])
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert reports[1] == reports[0] and reports[2] == reports[0]
+    prefix = str(tmp_path / "managed" / "ckpt")
+    assert reports[0]["saved"] == [f"{prefix}-{n}" for n in range(1, 13)]
+    assert reports[0]["latest"] == f"{prefix}-12"
+    assert reports[0]["checkpoints"] == [f"{prefix}-11", f"{prefix}-12"]
+    assert reports[0]["save_counter"] == 12 and reports[0]["written"] == str(tmp_path / "final")
+    assert re.match(r"tf_poseidon: asynchronous checkpoints .* are not supported",
+                    reports[0]["async_refused"])
+    assert sorted(os.listdir(tmp_path / "managed")) == [
+        "checkpoint", *(f"ckpt-{n}.{part}" for n in (11, 12)
+                        for part in ("data-00000-of-00001", "index"))]
+    assert not list(tmp_path.glob("async*"))
+    trained = [np.load(tmp_path / f"rank{r}.npz") for r in range(3)]
+    for r in (1, 2):
+        assert all(np.array_equal(trained[0][k], trained[r][k]) for k in trained[0].files)
+    check(run_job(0, "tf_checkpoint.py", str(tmp_path), "--restore")[0])
+    restored = json.loads((tmp_path / "restored.json").read_text())
+    assert restored.pop("saved_model") < 1e-6, restored
+    assert restored == {"final": 0.0, "final save_counter": 12, "latest": 0.0,
+                        "latest save_counter": 12}
+
+
 def launch_with_restart(launcher_args, worker_args, cwd, mpi_args="", run=None) -> str:
     """Output of ``tfposeidon-run --max-restarts 1 LAUNCHER_ARGS python checkpoint_train.py
     WORKER_ARGS`` (stdout and stderr merged); fails the test if the job does not end with 0.

@@ -126,6 +126,14 @@ original unchanged:
   still calls them (collective and blocking, as ``tp.callbacks`` and
   ``tp.export_for_serving``); rank 0 writes, from ``consistent_state()`` (one file
   atomically), and every rank returns once the write is complete (export.save_on_chief);
+* TensorFlow's ``tf.train.Checkpoint`` (``save``, ``write``, ``tf.train.CheckpointManager.save``:
+  ``Checkpoint._write``), as a custom loop checkpoints a model: TensorFlow writes a checkpoint
+  through temporary files of fixed names, so ranks writing one prefix at once delete each
+  other's (``MergeV2Checkpoints``: "... did not exist"). For a checkpoint that tracks a model
+  created under the strategy, every rank still calls them, rank 0 writes (the state file and
+  deletions of old checkpoints too), and every rank returns once the files are in place, with
+  the same ``save_counter`` and ``latest_checkpoint``; asynchronous checkpoints are refused.
+  ``tf.saved_model.save`` of such a model, which writes its variables the same way, likewise;
 * ``train_on_batch``, ``test_on_batch``, ``predict_on_batch``: Keras hands the batch as it
   is to every replica, so each rank would run the whole batch (P ranks doing one process's
   work), a Dropout would draw its masks as for a batch P times as large, and
@@ -183,6 +191,8 @@ from keras.src.trainers import compile_utils as keras_compile_utils
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
 from keras.src.utils import python_utils as keras_python_utils
+from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
+from tensorflow.python.checkpoint import checkpoint_management as tf_checkpoint_management
 
 from tf_poseidon import batch_draws, batchnorm
 from tf_poseidon import callbacks as callbacks_lib
@@ -557,6 +567,85 @@ def _saved_by_rank0(original):
     return wrapper
 
 
+def _tracked_model(checkpoint):
+    """The first Keras model ``checkpoint`` (a ``tf.train.Checkpoint``) tracks directly that
+    was created under a multi-process PoseidonStrategy, else None."""
+    return next((value for value in getattr(checkpoint, "_kwargs", {}).values()
+                 if isinstance(value, keras_model.Model) and export.multi_rank_strategy(value)),
+                None)
+
+
+def _checkpoint_written_by_rank0(original):
+    """``tf.train.Checkpoint._write``, through which its ``write`` and ``save`` and
+    ``tf.train.CheckpointManager.save`` write, for a checkpoint of a model under a
+    multi-process PoseidonStrategy: every rank calls it (collective, blocking); rank 0 writes
+    from the consistent state (export.save_on_chief), with the write's callbacks (the
+    ``checkpoint`` state file, the manager's deletion of old checkpoints), and once it is done
+    every other rank runs the callbacks without their files (:func:`_files_left_to_rank0`),
+    so that ``latest_checkpoint`` is the same on every rank."""
+    def wrapper(self, file_prefix, options=None):
+        model = _tracked_model(self)
+        if (model is None or not isinstance(file_prefix, (str, os.PathLike))
+                or (options is not None and options.experimental_enable_async_checkpoint)):
+            return original(self, file_prefix, options)  # asynchronous: refused (below)
+        path = os.fspath(file_prefix)
+        export.save_on_chief(model, lambda _: original(self, path, options), path,
+                             f"write the checkpoint {path}", atomic=False)
+        if export.multi_rank_strategy(model).extended._world.rank != 0:
+            with _files_left_to_rank0():
+                tf_checkpoint._execute_callbacks(  # pylint: disable=protected-access
+                    (options and options.experimental_write_callbacks) or [], path)
+        return path
+    return wrapper
+
+
+@contextlib.contextmanager
+def _files_left_to_rank0():
+    """Within it, TensorFlow's checkpoint bookkeeping (``update_checkpoint_state_internal``:
+    the ``checkpoint`` state file; ``_delete_file_if_exists``: a manager's old checkpoints)
+    touches no file: a checkpoint's write callbacks update only the Python state of its
+    manager, as rank 0's did along with the files."""
+    # pylint: disable=protected-access
+    kept = (tf_checkpoint_management.update_checkpoint_state_internal,
+            tf_checkpoint_management._delete_file_if_exists)
+    tf_checkpoint_management.update_checkpoint_state_internal = lambda *_, **__: None
+    tf_checkpoint_management._delete_file_if_exists = lambda *_: None
+    try:
+        yield
+    finally:
+        (tf_checkpoint_management.update_checkpoint_state_internal,
+         tf_checkpoint_management._delete_file_if_exists) = kept
+
+
+def _saved_model_written_by_rank0(original):
+    """``tf.saved_model.save(obj, export_dir, ...)`` of a Keras model created under a
+    multi-process PoseidonStrategy: every rank calls it (collective, blocking), rank 0 writes
+    from the consistent state, into ``export_dir`` itself (export.save_on_chief), and every
+    rank returns once it is written. Its variables go through the temporary files of fixed
+    names that ``tf.train.Checkpoint`` writes through (:func:`_checkpoint_written_by_rank0`)."""
+    def wrapper(obj, export_dir, *args, **kwargs):
+        if (not isinstance(obj, keras_model.Model) or export.multi_rank_strategy(obj) is None
+                or not isinstance(export_dir, (str, os.PathLike))):
+            return original(obj, export_dir, *args, **kwargs)
+        path = os.fspath(export_dir)
+        export.save_on_chief(obj, lambda _: original(obj, path, *args, **kwargs), path,
+                             f"write the SavedModel {path}", atomic=False)
+    return wrapper
+
+
+def _no_asynchronous_checkpoint(original):
+    def wrapper(self):
+        if _tracked_model(self) is not None:
+            raise ValueError(
+                "tf_poseidon: asynchronous checkpoints (tf.train.CheckpointOptions("
+                "experimental_enable_async_checkpoint=True)) of a model under a multi-process "
+                "PoseidonStrategy are not supported: rank 0 writes every checkpoint while the "
+                "other ranks wait, which a write from a background thread would do out of order "
+                "with the ranks' collectives. Leave the option off (docs/checkpoints.md).")
+        return original(self)
+    return wrapper
+
+
 def _in_consistent_state(original):
     def wrapper(self, *args, **kwargs):
         extended = _poseidon_extended(getattr(self, "distribute_strategy", None))
@@ -898,6 +987,9 @@ def install(strategy_class: type) -> None:
     _wrap(keras_tf_trainer.TensorFlowTrainer, "fit", _fit)
     for method in ("save", "save_weights", "export"):
         _wrap(keras_model.Model, method, _saved_by_rank0)
+    _wrap(tf_checkpoint.Checkpoint, "_write", _checkpoint_written_by_rank0)
+    _wrap(tf_checkpoint.Checkpoint, "_async_checkpointer", _no_asynchronous_checkpoint)
+    _wrap(tf.saved_model, "save", _saved_model_written_by_rank0)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "evaluate", _in_consistent_state)
     _wrap(keras_tf_trainer.TensorFlowTrainer, "predict", _in_consistent_state)
     for method in ("train_on_batch", "test_on_batch", "predict_on_batch"):
