@@ -5,7 +5,8 @@ descriptions a ``gather`` returns; the multi-rank form is tests/test_keras_steps
 ``on-batch`` and ``on-batch-mismatch``. The same for ``fit``'s arrays (data.describe_input,
 data.check_same_input): their sizes and a digest of their values; the multi-rank form is
 tests/test_collective_agreement.py's ``values``. And for a ``tf.data`` pipeline, the parts of its
-sources it keeps (data.selections); the multi-rank form is ``shards`` there."""
+sources it keeps (data.selections) and a digest of the numbers it starts from
+(data.sources_digest); the multi-rank forms are ``shards`` and ``slices`` there."""
 
 import numpy as np
 import pytest
@@ -135,3 +136,28 @@ def test_a_pipeline_sharded_by_rank_is_refused_naming_each_ranks_part_and_the_fi
                        r"4 batches, keeping skip\(32\)\)"):
         data.check_same_input(pipeline_input(dataset.take(32).batch(8)),
                               lambda d: [d, skipped])
+
+
+def test_pipelines_from_other_numbers_describe_differently_whatever_their_file_names():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 3)).astype("float32"), rng.integers(0, 2, size=64)
+    def sliced(*tensors):
+        return pipeline_input(tf.data.Dataset.from_tensor_slices(tensors).batch(8))
+    mine = sliced(x, y)
+    assert mine == sliced(x.copy(), tf.constant(y))
+    order = rng.permutation(64)
+    for other in [sliced(x[order], y[order]), sliced(x + 1, y), sliced(x, 1 - y)]:
+        assert other != mine
+        assert {k: v for k, v in other.items() if k != "values"} == {
+            k: v for k, v in mine.items() if k != "values"}
+    whole = tf.data.Dataset.from_tensors((x, y)).repeat(8)
+    assert data.sources_digest(whole) == data.sources_digest(
+        tf.data.Dataset.from_tensors((x.copy(), y)).repeat(8))
+    assert data.sources_digest(whole) != data.sources_digest(
+        tf.data.Dataset.from_tensors((x, 1 - y)).repeat(8))
+    with pytest.raises(ValueError, match=r"the same sizes, other values: arrays split or "
+                                         r"permuted at random on each rank"):
+        data.check_same_input(mine, lambda d: [d, sliced(x[::-1], y[::-1])])
+    # Each host may keep the same files under another path.
+    assert (data.sources_digest(tf.data.Dataset.from_tensor_slices(["/a/1.png", "/a/2.png"]))
+            == data.sources_digest(tf.data.Dataset.from_tensor_slices(["/b/1.png", "/b/2.png"])))

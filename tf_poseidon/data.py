@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+from tensorflow.python.data.ops import from_tensor_slices_op, from_tensors_op
 from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
@@ -222,12 +223,33 @@ def selections(dataset: tf.data.Dataset) -> list[str]:
     return found
 
 
+def sources_digest(dataset: tf.data.Dataset) -> str:
+    """A digest of the numbers ``dataset``'s pipeline (:func:`_pipeline`) starts from: the
+    tensors of its ``from_tensor_slices`` and ``from_tensors``, each by :func:`arrays_digest`
+    along its first dimension. Strings are left out (file names may differ between hosts that
+    hold the same files), and so are tensors of a pipeline built in a tf.function."""
+    digest = hashlib.blake2b(digest_size=8)
+    for node in _pipeline(dataset):
+        # pylint: disable=protected-access
+        if isinstance(node, (from_tensor_slices_op._TensorSliceDataset,
+                             from_tensors_op._TensorDataset)):
+            for tensor in node._tensors:
+                if tf.is_symbolic_tensor(tensor) or not (
+                        tensor.dtype.is_floating or tensor.dtype.is_integer
+                        or tensor.dtype.is_bool):
+                    continue
+                rows = tf.reshape(tensor, [1, -1]) if tensor.shape.rank == 0 else tensor
+                digest.update(arrays_digest(rows, int(rows.shape[0])).encode())
+    return digest.hexdigest()
+
+
 def describe_input(adapter) -> dict:
     """What a Keras data adapter says about its input (the same on every rank that was given the
     same global data): batches per epoch, batch size, the last batch's size (None where the
     adapter does not know, as for a ``tf.data`` pipeline of unknown length), for a ``tf.data``
     pipeline its shuffles' seeds (:func:`shuffle_seeds`) and the parts of its sources it keeps
-    (:func:`selections`), and for arrays a digest of their values (:func:`arrays_digest`)."""
+    (:func:`selections`), and a digest of values: of arrays (:func:`arrays_digest`), or of the
+    tensors a pipeline starts from (:func:`sources_digest`)."""
     def known(name):
         try:
             return getattr(adapter, name)
@@ -242,7 +264,8 @@ def describe_input(adapter) -> dict:
             "shuffles": shuffle_seeds(dataset) if pipeline else [],
             "selections": selections(dataset) if pipeline else [],
             "values": (arrays_digest(adapter._inputs, adapter._num_samples)
-                       if isinstance(adapter, array_data_adapter.ArrayDataAdapter) else None)}
+                       if isinstance(adapter, array_data_adapter.ArrayDataAdapter)
+                       else sources_digest(dataset) if pipeline else None)}
 
 
 def arrays_digest(arrays, rows: int) -> str:

@@ -107,9 +107,10 @@ original unchanged:
   input;
 * ``TFEpochIterator.__init__`` (``fit``, ``evaluate``, ``predict``): the ranks check that they
   were given the same global data (batches per epoch, batch size, last batch's size, the seeds
-  of a ``tf.data`` pipeline's shuffles and its ``shard``/``skip`` calls, a digest of arrays'
-  values; one small all-gather), or every rank raises saying what each got and what to do; a
-  pipeline that shuffles without a seed is refused before that;
+  of a ``tf.data`` pipeline's shuffles and its ``shard``/``skip`` calls, a digest of the
+  values of arrays or of the tensors a pipeline starts from; one small all-gather), or every
+  rank raises saying what each got and what to do; a pipeline that shuffles without a seed is
+  refused before that;
 * ``TensorFlowTrainer._maybe_symbolic_build`` (``fit``, ``evaluate``), under a PoseidonStrategy
   of any size: Keras under a strategy pulls one batch from the input to build the model
   symbolically, which plain Keras never does, and a pipeline that draws (an augmentation

@@ -24,6 +24,8 @@ DIR holds the files a scenario writes. The scenarios:
                       scripts add theirs)
     shards            a tf.data pipeline of 128 rows sharded by rank, as a Horovod
                       script shards its data (Dataset.shard(2, rank): 4 batches each)
+    slices            each rank's own 64 rows in a tf.data pipeline
+                      (Dataset.from_tensor_slices: 4 batches each)
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -115,6 +117,11 @@ def main(scenario: str, out: str) -> None:
         rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
         diverging()
         model.fit(rows.shard(tp.size(), tp.rank()).batch(16), epochs=1, verbose=0)
+    elif scenario == "slices":
+        own = slice(64 * tp.rank(), 64 * (tp.rank() + 1))
+        diverging()
+        model.fit(tf.data.Dataset.from_tensor_slices((x[own], y[own])).batch(16), epochs=1,
+                  verbose=0)
     else:
         mine = 100 if tp.rank() == 0 else {"lengths_steps": 130, "lengths_rows": 110}[scenario]
         diverging()
