@@ -59,6 +59,9 @@ SCENARIOS = {
     "shards": [r"ValueError: the ranks were given different data \(rank 0: 4 batches, keeping "
                r"shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)",
                r"Dataset\.shard\(num_workers, rank\) as in a Horovod script"],
+    "loop_shards": [r"ValueError: the ranks were given different data \(rank 0: 4 batches, "
+                    r"keeping shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)\. "
+                    r"fit, evaluate, predict and strategy\.experimental_distribute_dataset"],
     "slices": [r"ValueError: the ranks were given different data \(rank 0: 4 batches; rank 1: "
                r"4 batches; the same sizes, other values: arrays split or permuted at random"],
 }

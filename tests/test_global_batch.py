@@ -112,6 +112,8 @@ def test_pipelines_keeping_other_parts_of_their_sources_describe_differently():
     assert data.selections(sharded(1)) == ["skip(1)", "shard(2, 1)"]
     assert pipeline_input(sharded(0)) == pipeline_input(sharded(0))
     assert pipeline_input(sharded(0)) != pipeline_input(sharded(1))
+    assert data.describe_dataset(sharded(0)) == data.describe_dataset(sharded(0))
+    assert data.describe_dataset(sharded(0)) != data.describe_dataset(sharded(1))
     assert data.selections(files.batch(4)) == []
     found = []
 

@@ -9,15 +9,19 @@ so concatenating the ranks' outputs gives back the input order (what ``predict``
 sizes differ by at most one (a short last batch is split too), and every rank sees the same
 number of batches, so epochs end on every rank together without any extra communication.
 
-Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, so a pipeline
-that shuffles must shuffle alike on every rank: :func:`check_same_input` refuses one whose
-shuffles have no seed or seeds that differ between the ranks, and one that keeps another part
-of its sources on each rank (``Dataset.shard(P, rank)``, as a Horovod script shards its
-data: every rank would take its slice of a batch of its own shard). Keras' own shuffling is given
-seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
+Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, so every rank
+must be given the same one: :func:`check_same_input` refuses a pipeline whose shuffles have no
+seed or seeds that differ between the ranks, one that keeps another part of its sources on each
+rank (``Dataset.shard(P, rank)``, as a Horovod script shards its data: every rank would take its
+slice of a batch of its own shard), and one that starts from other numbers. Keras' own shuffling
+is given seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
 :func:`agreed_permutation_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s
 batches (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`; both
 shuffle as one process would with rank 0's seed.
+
+:func:`check_same_input` runs where ``fit``, ``evaluate`` and ``predict`` start (with what Keras'
+data adapter knows of their input, keras_integration.py) and in
+``experimental_distribute_dataset`` (custom loops; strategy.py).
 
 ``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
 may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
@@ -243,13 +247,24 @@ def sources_digest(dataset: tf.data.Dataset) -> str:
     return digest.hexdigest()
 
 
+def describe_dataset(dataset: tf.data.Dataset) -> dict:
+    """What a ``tf.data`` pipeline of global batches says about itself, the same on every rank
+    that was given the same pipeline: its number of batches (None where unknown or infinite),
+    its shuffles' seeds (:func:`shuffle_seeds`), the parts of its sources it keeps
+    (:func:`selections`) and a digest of the numbers it starts from (:func:`sources_digest`);
+    in the form of :func:`describe_input`, batch sizes unknown."""
+    length = int(dataset.cardinality())
+    return {"batches": length if length >= 0 else None, "batch_size": None, "last_batch": None,
+            "shuffles": shuffle_seeds(dataset), "selections": selections(dataset),
+            "values": sources_digest(dataset)}
+
+
 def describe_input(adapter) -> dict:
     """What a Keras data adapter says about its input (the same on every rank that was given the
     same global data): batches per epoch, batch size, the last batch's size (None where the
     adapter does not know, as for a ``tf.data`` pipeline of unknown length), for a ``tf.data``
-    pipeline its shuffles' seeds (:func:`shuffle_seeds`) and the parts of its sources it keeps
-    (:func:`selections`), and a digest of values: of arrays (:func:`arrays_digest`), or of the
-    tensors a pipeline starts from (:func:`sources_digest`)."""
+    pipeline what :func:`describe_dataset` says, and for arrays a digest of their values
+    (:func:`arrays_digest`)."""
     def known(name):
         try:
             return getattr(adapter, name)
@@ -258,14 +273,12 @@ def describe_input(adapter) -> dict:
     # A distributed dataset (RankLocalDataset) may be rank-local by design
     # (distribute_datasets_from_function): only a global pipeline's must agree.
     dataset = getattr(adapter, "_dataset", None)
-    pipeline = isinstance(dataset, tf.data.Dataset)
-    return {"batches": known("num_batches"), "batch_size": known("batch_size"),
-            "last_batch": known("partial_batch_size") or None,
-            "shuffles": shuffle_seeds(dataset) if pipeline else [],
-            "selections": selections(dataset) if pipeline else [],
-            "values": (arrays_digest(adapter._inputs, adapter._num_samples)
-                       if isinstance(adapter, array_data_adapter.ArrayDataAdapter)
-                       else sources_digest(dataset) if pipeline else None)}
+    described = (describe_dataset(dataset) if isinstance(dataset, tf.data.Dataset)
+                 else {"shuffles": [], "selections": [], "values": None})
+    if isinstance(adapter, array_data_adapter.ArrayDataAdapter):
+        described["values"] = arrays_digest(adapter._inputs, adapter._num_samples)
+    return described | {"batches": known("num_batches"), "batch_size": known("batch_size"),
+                        "last_batch": known("partial_batch_size") or None}
 
 
 def arrays_digest(arrays, rows: int) -> str:
@@ -296,15 +309,15 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     """Raises ValueError on every rank if the ranks were given different inputs, or an input
     that shuffles without a seed.
 
-    ``gather(description) -> every rank's description`` is a collective (called once, now;
-    once more when the inputs differ: every rank prints the error before any raises it, so
-    that each rank's output has it before the first to raise aborts the job). ``fit``,
-    ``evaluate`` and ``predict`` take the *global* data on every rank and split each batch
-    themselves; data of different lengths would make the ranks run different numbers of
-    steps (or batches of different sizes) and fail later, far from the cause, and data in
-    different orders would silently train each step on slices of different global batches.
-    An unseeded shuffle is refused before the collective, alike on every rank (every rank
-    builds the same pipeline).
+    ``gather(description) -> every rank's description`` is a collective (called once, now; once
+    more when the inputs differ: every rank prints the error before any raises it, so that each
+    rank's output has it before the first to raise aborts the job). ``fit``, ``evaluate``,
+    ``predict`` and ``experimental_distribute_dataset`` take the *global* data on every rank
+    and split each batch themselves; data of different lengths would make the ranks run
+    different numbers of steps (or batches of different sizes) and fail later, far from the
+    cause, and data in different orders would silently train each step on slices of different
+    global batches. An unseeded shuffle is refused before the collective, alike on every rank
+    (every rank builds the same pipeline).
     """
     if None in description["shuffles"]:
         raise ValueError(
@@ -351,8 +364,9 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
              "global batch size: the batch per rank times the number of ranks)"
              if selections_differ else "")
     _refuse_on_every_rank(
-        f"the ranks were given different data ({sides}). fit, evaluate and predict take the "
-        "same global data on every rank and give each rank its share of every batch: pass the "
+        f"the ranks were given different data ({sides}). fit, evaluate, predict and "
+        "strategy.experimental_distribute_dataset take the same global data on every rank "
+        "and give each rank its share of every batch: pass the "
         f"same arrays or dataset to every rank{parts}, shuffled with the same seed{seeds}; to "
         "give each rank data of its own, use strategy.distribute_datasets_from_function.",
         lambda: gather(description))

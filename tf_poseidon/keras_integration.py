@@ -110,7 +110,9 @@ original unchanged:
   of a ``tf.data`` pipeline's shuffles and its ``shard``/``skip`` calls, a digest of the
   values of arrays or of the tensors a pipeline starts from; one small all-gather), or every
   rank raises saying what each got and what to do; a pipeline that shuffles without a seed is
-  refused before that;
+  refused before that. The dataset Keras' adapter makes of the input is then distributed
+  without the strategy's own check of a pipeline (``experimental_distribute_dataset``, which
+  custom loops use), which knows less: Keras' ``__init__`` runs here in full;
 * ``TensorFlowTrainer._maybe_symbolic_build`` (``fit``, ``evaluate``), under a PoseidonStrategy
   of any size: Keras under a strategy pulls one batch from the input to build the model
   symbolically, which plain Keras never does, and a pipeline that draws (an augmentation
@@ -189,6 +191,7 @@ from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimi
 from keras.src.optimizers import sgd as keras_sgd
 from keras.src.random import seed_generator as keras_seed_generator
 from keras.src.trainers import compile_utils as keras_compile_utils
+from keras.src.trainers import epoch_iterator as keras_epoch_iterator
 from keras.src.trainers import trainer as keras_trainer
 from keras.src.trainers.data_adapters import array_data_adapter, py_dataset_adapter
 from keras.src.utils import python_utils as keras_python_utils
@@ -858,17 +861,23 @@ def _reduce_per_replica(original):
 
 def _epoch_iterator(original):
     def wrapper(self, distribute_strategy=None, *args, **kwargs):
-        original(self, distribute_strategy, *args, **kwargs)
         extended = _poseidon_extended(distribute_strategy)
-        if extended is not None:
-            engine = extended.engine
-            adapter = self.data_adapter
-            data_lib.check_same_input(
-                data_lib.describe_input(adapter),
-                lambda d: engine.call(lambda comm: comm.allgather(d), label="input data"))
-            if (isinstance(adapter, py_dataset_adapter.PyDatasetAdapter)
-                    and adapter.py_dataset.num_batches is not None):
-                _agree_on_batch_order(adapter, engine)
+        if extended is None:
+            return original(self, distribute_strategy, *args, **kwargs)
+        # Keras' TFEpochIterator.__init__, checking the input with what its adapter knows (the
+        # sizes of arrays' batches, a PyDataset's order) instead of the strategy's check of
+        # the dataset the adapter makes of it.
+        keras_epoch_iterator.EpochIterator.__init__(self, *args, **kwargs)
+        self._distribute_strategy = distribute_strategy
+        adapter = self.data_adapter
+        dataset = adapter.get_tf_dataset()
+        extended.check_same_input(data_lib.describe_input(adapter))
+        if (isinstance(adapter, py_dataset_adapter.PyDatasetAdapter)
+                and adapter.py_dataset.num_batches is not None):
+            _agree_on_batch_order(adapter, extended.engine)
+        self._distributed_dataset = (
+            dataset if isinstance(dataset, tf.distribute.DistributedDataset)
+            else extended.slices_of_global_batches(dataset))
     return wrapper
 
 
@@ -955,7 +964,7 @@ def _epoch_dataset(original):
                 _broadcast_from_rank0(extended.engine))
         with data_lib.tracing_seed(next(seeds)):
             dataset = adapter.get_tf_dataset()
-        return self._distribute_strategy.experimental_distribute_dataset(dataset)
+        return extended.slices_of_global_batches(dataset)
     return wrapper
 
 

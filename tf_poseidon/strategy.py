@@ -438,10 +438,30 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     # -- input --------------------------------------------------------------------------
 
     def _experimental_distribute_dataset(self, dataset, options):
-        """This rank's slices of ``dataset``'s global batches (data.py), as a RankLocalDataset."""
+        """This rank's slices of ``dataset``'s global batches (:meth:`slices_of_global_batches`),
+        once the ranks have checked that they were given the same pipeline
+        (data.check_same_input of data.describe_dataset: collective and blocking where there
+        are several ranks, as every rank's call of this method is; ValueError on every rank
+        where they were not)."""
         del options
+        if self._distributed:
+            self.check_same_input(data_lib.describe_dataset(dataset))
+        return self.slices_of_global_batches(dataset)
+
+    def slices_of_global_batches(self, dataset: tf.data.Dataset) -> data_lib.RankLocalDataset:
+        """This rank's slices of ``dataset``'s global batches (data.py), without a check: for
+        Keras' ``fit``, ``evaluate`` and ``predict``, whose input is checked with what Keras'
+        data adapter knows of it (keras_integration)."""
         return data_lib.RankLocalDataset(data_lib.distribute_global_batches(
             dataset, self._world.rank, self._world.size))
+
+    def check_same_input(self, description: dict) -> None:
+        """data.check_same_input of this rank's ``description`` against every rank's (one
+        all-gather on the engine: collective and blocking)."""
+        engine = self.engine
+        data_lib.check_same_input(
+            description,
+            lambda d: engine.call(lambda comm: comm.allgather(d), label="input data"))
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         """``dataset_fn``'s dataset for this rank (an InputContext names it), cut to the

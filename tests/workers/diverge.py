@@ -26,6 +26,7 @@ DIR holds the files a scenario writes. The scenarios:
                       script shards its data (Dataset.shard(2, rank): 4 batches each)
     slices            each rank's own 64 rows in a tf.data pipeline
                       (Dataset.from_tensor_slices: 4 batches each)
+    loop_shards       shards, given to a custom loop's experimental_distribute_dataset
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -117,6 +118,12 @@ def main(scenario: str, out: str) -> None:
         rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
         diverging()
         model.fit(rows.shard(tp.size(), tp.rank()).batch(16), epochs=1, verbose=0)
+    elif scenario == "loop_shards":
+        rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
+        diverging()
+        for _ in strategy.experimental_distribute_dataset(
+                rows.shard(tp.size(), tp.rank()).batch(16)):
+            pass
     elif scenario == "slices":
         own = slice(64 * tp.rank(), 64 * (tp.rank() + 1))
         diverging()
