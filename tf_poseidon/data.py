@@ -366,9 +366,9 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     _refuse_on_every_rank(
         f"the ranks were given different data ({sides}). fit, evaluate, predict and "
         "strategy.experimental_distribute_dataset take the same global data on every rank "
-        "and give each rank its share of every batch: pass the "
-        f"same arrays or dataset to every rank{parts}, shuffled with the same seed{seeds}; to "
-        "give each rank data of its own, use strategy.distribute_datasets_from_function.",
+        "and give each rank its share of every batch: pass the same arrays or dataset to every "
+        f"rank{parts}, shuffled with the same seed{seeds}; to give each rank data of its own, "
+        "use strategy.distribute_datasets_from_function.",
         lambda: gather(description))
 
 

@@ -595,7 +595,7 @@ def _checkpoint_written_by_rank0(original):
         path = os.fspath(file_prefix)
         export.save_on_chief(model, lambda _: original(self, path, options), path,
                              f"write the checkpoint {path}", atomic=False)
-        if export.multi_rank_strategy(model).extended._world.rank != 0:
+        if world.rank() != 0:
             with _files_left_to_rank0():
                 tf_checkpoint._execute_callbacks(  # pylint: disable=protected-access
                     (options and options.experimental_write_callbacks) or [], path)
