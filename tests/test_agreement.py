@@ -120,6 +120,11 @@ def test_the_hint_follows_what_the_sides_posted():
     assert elsewhere in message("metrics", "ssp_deltas")  # not declared by the algorithm
     assert training in message("reduce", agreement.EPOCH_END_MEETING)  # any algorithm's
     assert training in message("reduce", "micro_batch")
+    # A rank that writes for all ranks alone: the save, whatever the other rank posted.
+    saving = "Some ranks were saving and others were not"
+    for other in (agreement.END_OF_PROGRAM, "gradients", "reduce"):
+        hint = message(agreement.RANK0_WRITE, other, training=["gradients"])
+        assert saving in hint and end not in hint and training not in hint, hint
     # Each algorithm declares the groups its training steps post.
     assert sync.Sync.training_groups == (sync.GRADIENTS,)
     assert algorithms.SSP.training_groups == (sync.GRADIENTS, ssp.DELTAS)

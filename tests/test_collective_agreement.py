@@ -62,6 +62,12 @@ SCENARIOS = {
     "loop_shards": [r"ValueError: the ranks were given different data \(rank 0: 4 batches, "
                     r"keeping shard\(2, 0\); rank 1: 4 batches, keeping shard\(2, 1\)\)\. "
                     r"fit, evaluate, predict and strategy\.experimental_distribute_dataset"],
+    "loop_chief_checkpoint": [MISMATCH + r"rank 0 posted control-plane call 'work of rank 0 "
+                              r"that the other ranks wait for \(a save, a checkpoint, an "
+                              r"export\)'; rank 1 posted gradients step \d+ \(",
+                              r"Some ranks were saving and others were not: a save \(model\."
+                              r"save, save_weights or export, tf\.train\.Checkpoint or "
+                              r"CheckpointManager\.save"],
     "slices": [r"ValueError: the ranks were given different data \(rank 0: 4 batches; rank 1: "
                r"4 batches; the same sizes, other values: arrays split or permuted at random"],
 }

@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from tf_poseidon import timeouts
+from tf_poseidon.comm import agreement
 from tf_poseidon.comm.engine import CollectiveTimeoutError, CommEngine
 
 HEARTBEAT_TAG = 7300
@@ -45,8 +46,6 @@ FAILED = -2
 _FIRST_SLEEP_S = 50e-6
 _LONGEST_SLEEP_S = 5e-3
 
-AGREED_AS = "work of rank 0 that the other ranks wait for (a save, a checkpoint, an export)"
-"""The label of the control-plane call that starts every :func:`run`."""
 
 _comm = None
 _serials = itertools.count(1)
@@ -65,7 +64,7 @@ def _channel(engine: CommEngine):
     the messages of another save point for this one's, or none would wait for rank 0."""
     global _comm
     _comm = timeouts.engine_call(engine, lambda comm: _comm or comm.Dup(), timeouts.step_s(),
-                                 AGREED_AS, "TF_POSEIDON_TIMEOUT")
+                                 agreement.RANK0_WRITE, "TF_POSEIDON_TIMEOUT")
     return _comm
 
 

@@ -27,6 +27,10 @@ DIR holds the files a scenario writes. The scenarios:
     slices            each rank's own 64 rows in a tf.data pipeline
                       (Dataset.from_tensor_slices: 4 batches each)
     loop_shards       shards, given to a custom loop's experimental_distribute_dataset
+    loop_chief_checkpoint
+                      a custom loop saves a tf.train.CheckpointManager on rank 0 only
+                      (`if tp.is_chief():`, as Horovod scripts save theirs) after its
+                      second step
 
 Prints ``DIVERGE`` at the point where the ranks go different ways (the rank whose
 TerminateOnNaN stops training prints it when it does).
@@ -124,6 +128,24 @@ def main(scenario: str, out: str) -> None:
         for _ in strategy.experimental_distribute_dataset(
                 rows.shard(tp.size(), tp.rank()).batch(16)):
             pass
+    elif scenario == "loop_chief_checkpoint":
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model), out, 1)
+
+        @tf.function
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(features) - labels) ** 2) / 16
+            gradients = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        batches = tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(16)
+        for i, batch in enumerate(strategy.experimental_distribute_dataset(batches)):
+            strategy.run(step, args=batch)
+            if i == 1:
+                diverging()
+                if tp.is_chief():
+                    manager.save()
     elif scenario == "slices":
         own = slice(64 * tp.rank(), 64 * (tp.rank() + 1))
         diverging()

@@ -34,6 +34,8 @@ END_OF_PROGRAM = "end of program"
 EPOCH_END_MEETING = "the meeting of all ranks at the end of an epoch"
 """The control-plane call of ranks that step at their own pace at an epoch's end
 (timeouts.meet)."""
+RANK0_WRITE = "work of rank 0 that the other ranks wait for (a save, a checkpoint, an export)"
+"""The control-plane call that starts every write rank 0 makes for all ranks (chief.run)."""
 STEP_GROUPS = ("micro_batch", EPOCH_END_MEETING)
 """What training posts under every algorithm, besides the algorithm's own groups
 (``Algorithm.training_groups``, which the strategy declares to the engine): the Keras
@@ -115,9 +117,9 @@ def mismatch_message(sides: Sequence[tuple[str, str]], training: Collection[str]
     """The message every rank raises. ``sides``: per rank, what it posted (its signature's
     ``what``) and its description. The message lists each distinct description with the ranks
     that posted it, then what usually causes such a mismatch: a rank that reached the end of
-    its program, or one that was still training (posted one of ``training`` or
-    :data:`STEP_GROUPS`) while another had moved on, or else a collective run on some ranks
-    only."""
+    its program or wrote for all ranks (:data:`RANK0_WRITE`) alone, or one that was still
+    training (posted one of ``training`` or :data:`STEP_GROUPS`) while another had moved on,
+    or else a collective run on some ranks only."""
     by_description: dict[str, list[int]] = {}
     for rank, (_, description) in enumerate(sides):
         by_description.setdefault(description, []).append(rank)
@@ -126,20 +128,25 @@ def mismatch_message(sides: Sequence[tuple[str, str]], training: Collection[str]
     message = (f"tf_poseidon: the ranks posted different collectives: {listed}. Every rank "
                "must run the same collectives in the same order.")
     posted = {what for what, _ in sides}
-    if END_OF_PROGRAM in posted:
+    if RANK0_WRITE in posted:
+        message += (" Some ranks were saving and others were not: a save (model.save, "
+                    "save_weights or export, tf.train.Checkpoint or CheckpointManager.save, "
+                    "tf.saved_model.save) ran on some ranks only (e.g. under `if "
+                    "tp.is_chief():`), or a callback that saves (tp.callbacks.ModelCheckpoint, "
+                    "BackupAndRestore) was given to fit on some ranks only: call saves on every "
+                    "rank and give fit the same callbacks on every rank (rank 0 writes, and "
+                    "every rank returns once the write is complete).")
+    elif END_OF_PROGRAM in posted:
         message += (" A rank reached the end of its program while another still communicated: "
-                    "code that runs fit/evaluate/predict, model.save/save_weights or a "
-                    "strategy.reduce on some ranks only (e.g. under `if tp.is_chief():`) must "
-                    "run on every rank.")
+                    "code that runs fit/evaluate/predict or a strategy.reduce on some ranks "
+                    "only (e.g. under `if tp.is_chief():`) must run on every rank.")
     elif posted & {*training, *STEP_GROUPS}:
         message += (" One rank was still training while another had moved on: the ranks ran "
                     "different numbers of steps (different data on each rank: pass the same "
                     "global data to every rank, or use "
-                    "strategy.distribute_datasets_from_function), a callback or "
-                    "TerminateOnNaN stopped training on some ranks only, or a callback that "
-                    "saves (tp.callbacks.ModelCheckpoint, BackupAndRestore) was given to fit on "
-                    "some ranks only (e.g. under `if tp.is_chief():`): fit's callbacks must be "
-                    "the same on every rank.")
+                    "strategy.distribute_datasets_from_function), or a callback or "
+                    "TerminateOnNaN stopped training on some ranks only: fit's callbacks "
+                    "must be the same on every rank.")
     else:
         message += (" Look for a collective (evaluate, predict, strategy.reduce/gather, a "
                     "callback that reduces) that runs on some ranks only.")
