@@ -68,6 +68,9 @@ SCENARIOS = {
                               r"Some ranks were saving and others were not: a save \(model\."
                               r"save, save_weights or export, tf\.train\.Checkpoint or "
                               r"CheckpointManager\.save"],
+    "cache": [r"ValueError: ranks 0, 1 on host \S+ would each write the cache file of "
+              r"Dataset\.cache\('.*rows'\) at once: TensorFlow lets one process at a time "
+              r"write a cache file"],
     "slices": [r"ValueError: the ranks were given different data \(rank 0: 4 batches; rank 1: "
                r"4 batches; the same sizes, other values: arrays split or permuted at random"],
 }

@@ -6,7 +6,11 @@ descriptions a ``gather`` returns; the multi-rank form is tests/test_keras_steps
 data.check_same_input): their sizes and a digest of their values; the multi-rank form is
 tests/test_collective_agreement.py's ``values``. And for a ``tf.data`` pipeline, the parts of its
 sources it keeps (data.selections) and a digest of the numbers it starts from
-(data.sources_digest); the multi-rank forms are ``shards`` and ``slices`` there."""
+(data.sources_digest); the multi-rank forms are ``shards`` and ``slices`` there. And the files a
+pipeline writes its cache to (data.cache_files), one per host and rank; the multi-rank form is
+``cache`` there."""
+
+import os
 
 import numpy as np
 import pytest
@@ -163,3 +167,33 @@ def test_pipelines_from_other_numbers_describe_differently_whatever_their_file_n
     # Each host may keep the same files under another path.
     assert (data.sources_digest(tf.data.Dataset.from_tensor_slices(["/a/1.png", "/a/2.png"]))
             == data.sources_digest(tf.data.Dataset.from_tensor_slices(["/b/1.png", "/b/2.png"])))
+
+
+def test_ranks_of_one_host_writing_one_cache_file_are_refused_and_own_files_pass(tmp_path):
+    rows = tf.data.Dataset.range(64)
+    shared = str(tmp_path / "train_cache")
+    def cached(name):
+        return rows.cache(name).shuffle(8, seed=1).batch(8)
+    assert data.cache_files(cached(shared)) == [shared]
+    assert data.cache_files(cached("")) == []  # in memory
+    relative = tmp_path.name + "/train_cache"
+    assert data.cache_files(rows.cache(relative)) == [os.path.abspath(relative)]
+    mine = pipeline_input(cached(shared))
+    one_host = lambda d: [d, d]  # noqa: E731  (the same host name: a rank beside this one)
+    with pytest.raises(ValueError, match=r"ranks 0, 1 on host \S+ would each write the cache "
+                       r"file of Dataset\.cache\('.*train_cache'\) at once: .*"
+                       r"AlreadyExistsError.*dataset\.cache\(f\"\{path\}-\{tp\.rank\(\)\}\"\)"):
+        data.check_same_input(mine, one_host)
+    other_host = lambda d: [d, d | {"host": "elsewhere"}]  # noqa: E731
+    data.check_same_input(mine, other_host)
+    # A file per rank (the fix) is the same data: the names are not compared.
+    data.check_same_input(mine, lambda d: [d, d | pipeline_input(cached(shared + "-1"))])
+    # A complete cache is only read: every rank may read one file.
+    list(cached(shared))
+    assert data.cache_files(cached(shared)) == []
+    data.check_same_input(pipeline_input(cached(shared)), one_host)
+    # distribute_datasets_from_function's rank-own datasets: the same check.
+    with pytest.raises(ValueError, match=r"ranks 0, 1 on host \S+ would each write"):
+        data.check_cache_files(cached(shared + "-new"), lambda located: [located, located])
+    data.check_cache_files(cached(shared + "-new"),
+                           lambda located: [located, ("elsewhere", located[1])])

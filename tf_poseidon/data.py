@@ -13,7 +13,9 @@ Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, s
 must be given the same one: :func:`check_same_input` refuses a pipeline whose shuffles have no
 seed or seeds that differ between the ranks, one that keeps another part of its sources on each
 rank (``Dataset.shard(P, rank)``, as a Horovod script shards its data: every rank would take its
-slice of a batch of its own shard), and one that starts from other numbers. Keras' own shuffling
+slice of a batch of its own shard), and one that starts from other numbers; and, with
+:func:`check_cache_files` for ``distribute_datasets_from_function`` too, ranks of one host that
+would write one ``Dataset.cache`` file (TensorFlow refuses a second writer). Keras' own shuffling
 is given seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
 :func:`agreed_permutation_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s
 batches (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`; both
@@ -33,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import os
 import random
 import secrets
+import socket
 import sys
 from typing import Callable, Iterator
 
@@ -43,12 +47,13 @@ import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
-from tensorflow.python.data.ops import from_tensor_slices_op, from_tensors_op
+from tensorflow.python.data.ops import cache_op, from_tensor_slices_op, from_tensors_op
 from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
 from tf_poseidon import world
+from tf_poseidon.comm.agreement import rank_list
 
 
 def batch_size_of(structure) -> tf.Tensor | None:
@@ -247,16 +252,67 @@ def sources_digest(dataset: tf.data.Dataset) -> str:
     return digest.hexdigest()
 
 
+def cache_files(dataset: tf.data.Dataset) -> list[str]:
+    """The files ``dataset``'s pipeline (:func:`_pipeline`) will write its cache to: each
+    ``Dataset.cache(filename)`` whose cache is not complete yet (no ``<filename>.index``), a
+    local path made absolute. Left out: in-memory caches, complete caches (iterators only read
+    them) and names held in a symbolic tensor."""
+    found = []
+    for node in _pipeline(dataset):
+        # pylint: disable=protected-access
+        if not isinstance(node, cache_op.CacheDataset) or tf.is_symbolic_tensor(node._filename):
+            continue
+        name = node._filename.numpy().decode()
+        if name and not tf.io.gfile.exists(name + ".index"):
+            found.append(name if "://" in name else os.path.abspath(name))
+    return found
+
+
+def shared_cache_files(located: list[tuple[str, list[str]]]) -> str | None:
+    """The message refusing input where ranks on one host would write one cache file, else
+    None. ``located``: per rank, its host name and its :func:`cache_files`.
+
+    TensorFlow lets one iterator at a time write a cache file (it holds a lock file beside
+    it): every other rank's fails with AlreadyExistsError when it starts, and the lock of a
+    killed job stays behind. Ranks on other hosts write to their own disks, unless the hosts
+    share the file system, which is not detected here."""
+    writers: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, files) in enumerate(located):
+        for name in dict.fromkeys(files):
+            writers.setdefault((host, name), []).append(rank)
+    shared = [(host, name, ranks) for (host, name), ranks in writers.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    host, name, ranks = shared[0]
+    return (f"{rank_list(ranks)} on host {host} would each write the cache file of "
+            f"Dataset.cache({name!r}) at once: TensorFlow lets one process at a time write a "
+            "cache file, so the others would fail with AlreadyExistsError (\"a concurrent "
+            "caching iterator\"). Give each rank a file of its own, e.g. "
+            "dataset.cache(f\"{path}-{tp.rank()}\") (also where hosts share the file system), "
+            "or cache in memory with dataset.cache().")
+
+
+def check_cache_files(dataset: tf.data.Dataset, gather: Callable[[object], list]) -> None:
+    """Raises ValueError on every rank where ranks on one host would write one cache file for
+    their ``dataset`` (:func:`shared_cache_files`), each rank's own. ``gather(x) -> every
+    rank's x`` is a collective, called once (twice when refusing)."""
+    located = (socket.gethostname(), cache_files(dataset))
+    shared = shared_cache_files(gather(located))
+    if shared:
+        _refuse_on_every_rank(shared, lambda: gather(located))
+
+
 def describe_dataset(dataset: tf.data.Dataset) -> dict:
     """What a ``tf.data`` pipeline of global batches says about itself, the same on every rank
     that was given the same pipeline: its number of batches (None where unknown or infinite),
     its shuffles' seeds (:func:`shuffle_seeds`), the parts of its sources it keeps
     (:func:`selections`) and a digest of the numbers it starts from (:func:`sources_digest`);
-    in the form of :func:`describe_input`, batch sizes unknown."""
+    in the form of :func:`describe_input`, batch sizes unknown. Besides, the files it will
+    write its cache to (:func:`cache_files`), which may differ between the ranks."""
     length = int(dataset.cardinality())
     return {"batches": length if length >= 0 else None, "batch_size": None, "last_batch": None,
             "shuffles": shuffle_seeds(dataset), "selections": selections(dataset),
-            "values": sources_digest(dataset)}
+            "values": sources_digest(dataset), "cache_files": cache_files(dataset)}
 
 
 def describe_input(adapter) -> dict:
@@ -274,7 +330,7 @@ def describe_input(adapter) -> dict:
     # (distribute_datasets_from_function): only a global pipeline's must agree.
     dataset = getattr(adapter, "_dataset", None)
     described = (describe_dataset(dataset) if isinstance(dataset, tf.data.Dataset)
-                 else {"shuffles": [], "selections": [], "values": None})
+                 else {"shuffles": [], "selections": [], "values": None, "cache_files": []})
     if isinstance(adapter, array_data_adapter.ArrayDataAdapter):
         described["values"] = arrays_digest(adapter._inputs, adapter._num_samples)
     return described | {"batches": known("num_batches"), "batch_size": known("batch_size"),
@@ -317,7 +373,9 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     different numbers of steps (or batches of different sizes) and fail later, far from the
     cause, and data in different orders would silently train each step on slices of different
     global batches. An unseeded shuffle is refused before the collective, alike on every rank
-    (every rank builds the same pipeline).
+    (every rank builds the same pipeline). So are, after it, ranks on one host that would write
+    one cache file (:func:`shared_cache_files`): ``description["cache_files"]`` is the one
+    entry that may differ between the ranks.
     """
     if None in description["shuffles"]:
         raise ValueError(
@@ -326,7 +384,13 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             "slice of a different global batch at every step. Pass a seed "
             "(dataset.shuffle(n, seed=...)), or call keras.utils.set_random_seed(...) with the "
             "same seed on every rank before building the pipeline.")
-    everyone = gather(description)
+    located = description | {"host": socket.gethostname()}
+    everyone = gather(located)
+    shared = shared_cache_files([(d.get("host"), d.get("cache_files", [])) for d in everyone])
+    if shared:
+        _refuse_on_every_rank(shared, lambda: gather(located))
+    everyone = [{key: value for key, value in d.items() if key not in ("host", "cache_files")}
+                for d in everyone]
     if all(d == everyone[0] for d in everyone):
         return
     shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
@@ -369,7 +433,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
         "and give each rank its share of every batch: pass the same arrays or dataset to every "
         f"rank{parts}, shuffled with the same seed{seeds}; to give each rank data of its own, "
         "use strategy.distribute_datasets_from_function.",
-        lambda: gather(description))
+        lambda: gather(located))
 
 
 def global_batch_tensors(batch):

@@ -458,15 +458,19 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
     def check_same_input(self, description: dict) -> None:
         """data.check_same_input of this rank's ``description`` against every rank's (one
         all-gather on the engine: collective and blocking)."""
-        engine = self.engine
-        data_lib.check_same_input(
-            description,
-            lambda d: engine.call(lambda comm: comm.allgather(d), label="input data"))
+        data_lib.check_same_input(description, self._gather_input)
+
+    def _gather_input(self, value) -> list:
+        """Every rank's ``value`` (a control-plane all-gather labelled "input data": collective
+        and blocking)."""
+        return self.engine.call(lambda comm: comm.allgather(value), label="input data")
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
         """``dataset_fn``'s dataset for this rank (an InputContext names it), cut to the
         shortest rank's length (data.end_together), so every rank runs the same number of
-        steps. Collective and blocking (once, now), like every rank's call of this method."""
+        steps. Collective and blocking (now), like every rank's call of this method; ValueError
+        on every rank where ranks on one host would write one cache file
+        (data.check_cache_files)."""
         del options
         context = distribute_lib.InputContext(num_input_pipelines=self._world.size,
                                               input_pipeline_id=self._world.rank,
@@ -474,6 +478,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         dataset = dataset_fn(context)
         if not self._distributed:
             return data_lib.RankLocalDataset(dataset)
+        data_lib.check_cache_files(dataset, self._gather_input)
         engine = self.engine
 
         def shortest(length: int) -> int:

@@ -27,6 +27,8 @@ DIR holds the files a scenario writes. The scenarios:
     slices            each rank's own 64 rows in a tf.data pipeline
                       (Dataset.from_tensor_slices: 4 batches each)
     loop_shards       shards, given to a custom loop's experimental_distribute_dataset
+    cache             a tf.data pipeline that caches to one file on every rank
+                      (Dataset.cache(filename): 4 batches each)
     loop_chief_checkpoint
                       a custom loop saves a tf.train.CheckpointManager on rank 0 only
                       (`if tp.is_chief():`, as Horovod scripts save theirs) after its
@@ -146,6 +148,10 @@ def main(scenario: str, out: str) -> None:
                 diverging()
                 if tp.is_chief():
                     manager.save()
+    elif scenario == "cache":
+        rows = tf.data.Dataset.from_tensor_slices((x[:128], y[:128]))
+        diverging()
+        model.fit(rows.cache(os.path.join(out, "rows")).batch(32), epochs=1, verbose=0)
     elif scenario == "slices":
         own = slice(64 * tp.rank(), 64 * (tp.rank() + 1))
         diverging()
