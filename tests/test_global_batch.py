@@ -8,7 +8,8 @@ tests/test_collective_agreement.py's ``values``. And for a ``tf.data`` pipeline,
 sources it keeps (data.selections) and a digest of the numbers it starts from
 (data.sources_digest); the multi-rank forms are ``shards`` and ``slices`` there. And the files a
 pipeline writes its cache to (data.cache_files), one per host and rank; the multi-rank form is
-``cache`` there."""
+``cache`` there. And the seeds a pipeline draws random numbers with (data.shuffle_seeds), of
+``sample_from_datasets`` here; of shuffles in tests/test_shuffle.py."""
 
 import os
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
+from tensorflow.python.eager import context as tf_context
 
 from tf_poseidon import data
 
@@ -197,3 +199,24 @@ def test_ranks_of_one_host_writing_one_cache_file_are_refused_and_own_files_pass
         data.check_cache_files(cached(shared + "-new"), lambda located: [located, located])
     data.check_cache_files(cached(shared + "-new"),
                            lambda located: [located, ("elsewhere", located[1])])
+
+
+def test_sampling_from_datasets_without_a_seed_is_refused_like_an_unseeded_shuffle():
+    previous = tf_context.global_seed()
+    tf.random.set_seed(None)  # as a script that seeds nothing
+    try:
+        parts = [tf.data.Dataset.range(0, 64, 2), tf.data.Dataset.range(1, 64, 2)]
+        def sampled(seed=None):
+            return tf.data.Dataset.sample_from_datasets(parts, [0.5, 0.5], seed=seed).batch(8)
+        assert data.shuffle_seeds(sampled()) == [None]
+        with pytest.raises(ValueError, match=r"the input pipeline shuffles without a seed "
+                           r"\(Dataset\.shuffle, or Dataset\.sample_from_datasets or "
+                           r"Dataset\.random, with no seed"):
+            data.check_same_input(pipeline_input(sampled()), lambda d: [d, d])
+        assert data.shuffle_seeds(sampled(3)) == data.shuffle_seeds(sampled(3)) != [None]
+        with pytest.raises(ValueError, match=r"shuffled with seeds \[\(\d+, 3\)\]; rank 1: a "
+                           r"dataset of unknown length, shuffled with seeds \[\(\d+, 4\)\]"):
+            data.check_same_input(pipeline_input(sampled(3)),
+                                  lambda d: [d, pipeline_input(sampled(4))])
+    finally:
+        tf.random.set_seed(previous)

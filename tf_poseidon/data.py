@@ -48,7 +48,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.ops import cache_op, from_tensor_slices_op, from_tensors_op
-from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
+from tensorflow.python.data.ops import random_op, shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
@@ -199,14 +199,15 @@ def _known_ints(*values) -> tuple[int, ...] | None:
 
 
 def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
-    """The (seed, seed2) of every ``Dataset.shuffle`` in ``dataset``'s pipeline
-    (:func:`_pipeline`); None for a shuffle with neither its own seed nor a global one, whose
-    order TensorFlow draws afresh in every process; (-1, -1) for a seed held in a symbolic
-    tensor, which is not checked."""
+    """The (seed, seed2) of every ``Dataset.shuffle`` and ``Dataset.random`` (which
+    ``Dataset.sample_from_datasets`` draws its choices from) in ``dataset``'s pipeline
+    (:func:`_pipeline`); None for one with neither its own seed nor a global one, whose order
+    TensorFlow draws afresh in every process; (-1, -1) for a seed held in a symbolic tensor,
+    which is not checked."""
     found = []
     for node in _pipeline(dataset):
         # pylint: disable=protected-access
-        if isinstance(node, shuffle_op._ShuffleDataset):
+        if isinstance(node, (shuffle_op._ShuffleDataset, random_op._RandomDataset)):
             seeds = _known_ints(node._seed, node._seed2) or (-1, -1)
             found.append(seeds if any(seeds) else None)
     return found
@@ -379,8 +380,9 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     """
     if None in description["shuffles"]:
         raise ValueError(
-            "tf_poseidon: the input pipeline shuffles without a seed (Dataset.shuffle with no "
-            "seed, and no global seed set): every rank would draw its own order and take its "
+            "tf_poseidon: the input pipeline shuffles without a seed (Dataset.shuffle, or "
+            "Dataset.sample_from_datasets or Dataset.random, with no seed, and no global seed "
+            "set): every rank would draw its own order and take its "
             "slice of a different global batch at every step. Pass a seed "
             "(dataset.shuffle(n, seed=...)), or call keras.utils.set_random_seed(...) with the "
             "same seed on every rank before building the pipeline.")
