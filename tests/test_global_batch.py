@@ -9,7 +9,9 @@ sources it keeps (data.selections) and a digest of the numbers it starts from
 (data.sources_digest); the multi-rank forms are ``shards`` and ``slices`` there. And the files a
 pipeline writes its cache to (data.cache_files), one per host and rank; the multi-rank form is
 ``cache`` there. And the seeds a pipeline draws random numbers with (data.shuffle_seeds), of
-``sample_from_datasets`` here; of shuffles in tests/test_shuffle.py."""
+``sample_from_datasets`` here; of shuffles in tests/test_shuffle.py. And the steps that may
+reorder a pipeline's elements (data.unordered); the multi-rank form is test_shuffle.py's
+``unordered``."""
 
 import os
 
@@ -220,3 +222,24 @@ def test_sampling_from_datasets_without_a_seed_is_refused_like_an_unseeded_shuff
                                   lambda d: [d, pipeline_input(sampled(4))])
     finally:
         tf.random.set_seed(previous)
+
+
+def test_steps_that_may_reorder_the_elements_are_named_and_refused():
+    rows = tf.data.Dataset.range(64)
+    parts = lambda i: tf.data.Dataset.range(i * 8, i * 8 + 8)  # noqa: E731
+    ordered = rows.map(lambda i: i + 1, num_parallel_calls=2).interleave(
+        parts, num_parallel_calls=2).batch(8, num_parallel_calls=2)
+    assert data.unordered(ordered) == []
+    assert data.unordered(rows.map(lambda i: i, num_parallel_calls=2, deterministic=False)
+                          .interleave(parts, num_parallel_calls=2, deterministic=False)
+                          .batch(8, num_parallel_calls=2, deterministic=False)) == [
+        "batch", "interleave", "map"]
+    options = tf.data.Options()
+    options.deterministic = False
+    assert data.unordered(ordered.with_options(options)) == ["batch", "interleave", "map"]
+    # A step's own deterministic=True holds whatever the options say.
+    assert data.unordered(rows.map(lambda i: i, num_parallel_calls=2, deterministic=True)
+                          .with_options(options)) == []
+    with pytest.raises(ValueError, match=r"no fixed order \(Dataset\.batch, Dataset\.interleave, "
+                       r"Dataset\.map with deterministic=False"):
+        data.check_same_input(pipeline_input(ordered.with_options(options)), lambda d: [d, d])

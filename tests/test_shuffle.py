@@ -11,8 +11,9 @@ arrays' permutation once and repeats it in every epoch and every fit (Keras trac
 global seed), and the PyDataset's orders from Python's ``random``, anew in every pass.
 
 A tf.data pipeline shuffles itself: seeded alike on every rank it trains like the others and
-like one process; fit refuses one that shuffles without a seed, or with seeds that differ
-between the ranks, on every rank with a message (the same jobs, after the other sources).
+like one process; fit refuses one that shuffles (or samples from datasets) without a seed,
+with seeds that differ between the ranks, or with a step whose order is not deterministic, on
+every rank with a message (the same jobs, after the other sources).
 
 In this process (the fast tier): the seeds and orders data.py agrees on, against Keras' own
 shuffles, with rank 0's broadcast stood in for by the identity.
@@ -187,6 +188,11 @@ def test_a_dataset_seeded_alike_gives_every_rank_the_same_order_as_one_process(j
     ("unseeded", r"^tf_poseidon: the input pipeline shuffles without a seed .* Pass a seed "
                  r"\(dataset\.shuffle\(n, seed=\.\.\.\)\), or call "
                  r"keras\.utils\.set_random_seed"),
+    ("sampled", r"^tf_poseidon: the input pipeline shuffles without a seed \(Dataset\.shuffle, "
+                r"or Dataset\.sample_from_datasets or Dataset\.random, with no seed"),
+    ("unordered", r"^tf_poseidon: the input pipeline yields its elements in no fixed order "
+                  r"\(Dataset\.map with deterministic=False, or tf\.data\.Options\."
+                  r"deterministic = False\): every rank would read them in an order of its own"),
     ("different", r"^tf_poseidon: the ranks were given different data \(rank 0: [^;]*, "
                   r"shuffled with seeds \[\(5, \d+\)\]; rank 1: [^;]*, shuffled with seeds "
                   r"\[\(6, \d+\)\](; rank 2: [^;]*, shuffled with seeds \[\(7, \d+\)\])?\)\."

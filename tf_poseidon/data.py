@@ -33,7 +33,9 @@ length, agreed once when the dataset is distributed, so every epoch ends on ever
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import itertools
 import os
 import random
@@ -47,8 +49,9 @@ import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
-from tensorflow.python.data.ops import cache_op, from_tensor_slices_op, from_tensors_op
-from tensorflow.python.data.ops import random_op, shard_op, shuffle_op, skip_op
+from tensorflow.python.data.ops import batch_op, cache_op, from_tensor_slices_op
+from tensorflow.python.data.ops import from_tensors_op, interleave_op, map_op, random_op
+from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
@@ -213,6 +216,39 @@ def shuffle_seeds(dataset: tf.data.Dataset) -> list[tuple[int, int] | None]:
     return found
 
 
+def _keeping_deterministic(dataset_class: type) -> None:
+    """Makes ``dataset_class`` (TensorFlow's parallel interleave, which passes its
+    ``deterministic`` argument to its graph op only) keep it as ``_deterministic``, in the form
+    TensorFlow's parallel map and batch keep theirs: "default", "true" or "false"."""
+    init = dataset_class.__init__
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def keeping(self, *args, **kwargs):
+        given = signature.bind(self, *args, **kwargs).arguments.get("deterministic")
+        self._deterministic = "default" if given is None else "true" if given else "false"
+        init(self, *args, **kwargs)
+    dataset_class.__init__ = keeping
+
+
+_keeping_deterministic(interleave_op._ParallelInterleaveDataset)  # pylint: disable=protected-access
+
+
+def unordered(dataset: tf.data.Dataset) -> list[str]:
+    """The steps of ``dataset``'s pipeline (:func:`_pipeline`) that may yield their elements
+    in another order in every process: each parallel ``map``, ``interleave`` and ``batch``
+    given ``deterministic=False``, or left to the default where the pipeline's
+    ``tf.data.Options.deterministic`` is False; as the names of the calls ("interleave").
+    An interleave built before tf_poseidon was imported is not seen."""
+    steps = {map_op._ParallelMapDataset: "map",  # pylint: disable=protected-access
+             interleave_op._ParallelInterleaveDataset: "interleave",
+             batch_op._ParallelBatchDataset: "batch"}
+    unordered_default = dataset.options().deterministic is False
+    return [steps[type(node)] for node in _pipeline(dataset) if type(node) in steps and (
+        getattr(node, "_deterministic", None) == "false"
+        or getattr(node, "_deterministic", None) == "default" and unordered_default)]
+
+
 def selections(dataset: tf.data.Dataset) -> list[str]:
     """Where ``dataset``'s pipeline (:func:`_pipeline`) keeps part of its source's elements by
     position: each ``Dataset.shard(num_shards, index)`` and ``skip(count)``, as the text of the
@@ -313,7 +349,8 @@ def describe_dataset(dataset: tf.data.Dataset) -> dict:
     length = int(dataset.cardinality())
     return {"batches": length if length >= 0 else None, "batch_size": None, "last_batch": None,
             "shuffles": shuffle_seeds(dataset), "selections": selections(dataset),
-            "values": sources_digest(dataset), "cache_files": cache_files(dataset)}
+            "values": sources_digest(dataset), "unordered": unordered(dataset),
+            "cache_files": cache_files(dataset)}
 
 
 def describe_input(adapter) -> dict:
@@ -331,7 +368,8 @@ def describe_input(adapter) -> dict:
     # (distribute_datasets_from_function): only a global pipeline's must agree.
     dataset = getattr(adapter, "_dataset", None)
     described = (describe_dataset(dataset) if isinstance(dataset, tf.data.Dataset)
-                 else {"shuffles": [], "selections": [], "values": None, "cache_files": []})
+                 else {"shuffles": [], "selections": [], "values": None, "unordered": [],
+                       "cache_files": []})
     if isinstance(adapter, array_data_adapter.ArrayDataAdapter):
         described["values"] = arrays_digest(adapter._inputs, adapter._num_samples)
     return described | {"batches": known("num_batches"), "batch_size": known("batch_size"),
@@ -373,8 +411,9 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     and split each batch themselves; data of different lengths would make the ranks run
     different numbers of steps (or batches of different sizes) and fail later, far from the
     cause, and data in different orders would silently train each step on slices of different
-    global batches. An unseeded shuffle is refused before the collective, alike on every rank
-    (every rank builds the same pipeline). So are, after it, ranks on one host that would write
+    global batches. An unseeded shuffle, and a pipeline whose order is not deterministic
+    (:func:`unordered`), are refused before the collective, alike on every rank (every rank
+    builds the same pipeline). So are, after it, ranks on one host that would write
     one cache file (:func:`shared_cache_files`): ``description["cache_files"]`` is the one
     entry that may differ between the ranks.
     """
@@ -386,6 +425,13 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             "slice of a different global batch at every step. Pass a seed "
             "(dataset.shuffle(n, seed=...)), or call keras.utils.set_random_seed(...) with the "
             "same seed on every rank before building the pipeline.")
+    if description.get("unordered"):
+        steps = ", ".join(f"Dataset.{step}" for step in description["unordered"])
+        raise ValueError(
+            f"tf_poseidon: the input pipeline yields its elements in no fixed order ({steps} "
+            "with deterministic=False, or tf.data.Options.deterministic = False): every rank "
+            "would read them in an order of its own and take its slice of a different global "
+            "batch at every step. Leave deterministic to its default (True) in this pipeline.")
     located = description | {"host": socket.gethostname()}
     everyone = gather(located)
     shared = shared_cache_files([(d.get("host"), d.get("cache_files", [])) for d in everyone])

@@ -8,9 +8,12 @@ shuffled by default) and ``pydataset_threads`` (the same PyDataset with 2 worker
 enqueuer), each four times: unseeded, twice after ``keras.utils.set_random_seed`` (rank 0's
 seed decides; the other ranks seed differently on purpose, Python's ``random`` included), and
 once more. Then, with the global seed cleared again, a tf.data pipeline that shuffles
-(``dataset/<scenario>``): ``unseeded`` (no global seed, no op seed), ``op_seed`` (no global
-seed, ``shuffle(n, seed=3)``), ``different`` (``keras.utils.set_random_seed(5 + rank)``: the
-ranks' orders would differ) and ``seeded`` (``set_random_seed(5)`` on every rank, no op seed).
+(``dataset/<scenario>``): ``unseeded`` (no global seed, no op seed), ``sampled``
+(``Dataset.sample_from_datasets`` of the even and odd ids, no seed), ``unordered`` (the
+``op_seed`` pipeline, then a parallel ``map`` with ``deterministic=False``), ``op_seed`` (no
+global seed, ``shuffle(n, seed=3)``), ``different`` (``keras.utils.set_random_seed(5 +
+rank)``: the ranks' orders would differ) and ``seeded`` (``set_random_seed(5)`` on every rank,
+no op seed).
 Writes OUT/rank<r>.json: per source and fit (``<source>/<fit>``), per epoch, the list of this
 rank's per-step id lists; for a fit that raised, ``{"error": its message}``.
 ``--one-process``: the same fits in plain Keras (its default strategy, seeded as rank 0),
@@ -65,9 +68,16 @@ def fit_once(strategy, source: str) -> list | dict:
     with strategy.scope():
         model = Recorder()
         model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
-    if source.startswith("dataset/"):
-        inputs = {"x": tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
-            SAMPLES, seed=3 if source == "dataset/op_seed" else None).batch(GLOBAL_BATCH)}
+    if source == "dataset/sampled":
+        inputs = {"x": tf.data.Dataset.sample_from_datasets([
+            tf.data.Dataset.from_tensor_slices((x[start::2], y[start::2])) for start in (0, 1)
+        ]).batch(GLOBAL_BATCH)}
+    elif source.startswith("dataset/"):
+        rows = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            SAMPLES, seed=3 if source in ("dataset/op_seed", "dataset/unordered") else None)
+        if source == "dataset/unordered":
+            rows = rows.map(lambda *row: row, num_parallel_calls=2, deterministic=False)
+        inputs = {"x": rows.batch(GLOBAL_BATCH)}
     else:
         inputs = ({"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": True}
                   if source == "arrays" else
@@ -92,7 +102,7 @@ def main(out: str, one_process: bool) -> None:
             fits[f"{source}/{name}"] = fit_once(strategy, source)
         fits[f"{source}/seeded_next"] = fit_once(strategy, source)
     tf.random.set_seed(None)  # no global seed: a tf.data shuffle without an op seed is unseeded
-    for scenario in ("unseeded", "op_seed", "different", "seeded"):
+    for scenario in ("unseeded", "sampled", "unordered", "op_seed", "different", "seeded"):
         if scenario in ("different", "seeded"):
             keras.utils.set_random_seed(5 + (tp.rank() if scenario == "different" else 0))
         fits[f"dataset/{scenario}"] = fit_once(strategy, f"dataset/{scenario}")
