@@ -233,13 +233,18 @@ def test_steps_that_may_reorder_the_elements_are_named_and_refused():
     assert data.unordered(rows.map(lambda i: i, num_parallel_calls=2, deterministic=False)
                           .interleave(parts, num_parallel_calls=2, deterministic=False)
                           .batch(8, num_parallel_calls=2, deterministic=False)) == [
-        "batch", "interleave", "map"]
+        "Dataset.batch", "Dataset.interleave", "Dataset.map"]
     options = tf.data.Options()
     options.deterministic = False
-    assert data.unordered(ordered.with_options(options)) == ["batch", "interleave", "map"]
+    assert data.unordered(ordered.with_options(options)) == [
+        "Dataset.batch", "Dataset.interleave", "Dataset.map"]
+    legacy = tf.data.experimental.parallel_interleave  # as older Horovod examples read files
+    assert data.unordered(rows.apply(legacy(parts, cycle_length=2, sloppy=True))) == [
+        "tf.data.experimental.parallel_interleave"]
+    assert data.unordered(rows.apply(legacy(parts, cycle_length=2))) == []
     # A step's own deterministic=True holds whatever the options say.
     assert data.unordered(rows.map(lambda i: i, num_parallel_calls=2, deterministic=True)
                           .with_options(options)) == []
     with pytest.raises(ValueError, match=r"no fixed order \(Dataset\.batch, Dataset\.interleave, "
-                       r"Dataset\.map with deterministic=False"):
+                       r"Dataset\.map: deterministic=False, sloppy=True or tf\.data\.Options"):
         data.check_same_input(pipeline_input(ordered.with_options(options)), lambda d: [d, d])

@@ -51,7 +51,7 @@ from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 from tensorflow.python.data.ops import batch_op, cache_op, from_tensor_slices_op
 from tensorflow.python.data.ops import from_tensors_op, interleave_op, map_op, random_op
-from tensorflow.python.data.ops import shard_op, shuffle_op, skip_op
+from tensorflow.python.data.ops import readers, shard_op, shuffle_op, skip_op
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.eager import context
 
@@ -237,12 +237,15 @@ _keeping_deterministic(interleave_op._ParallelInterleaveDataset)  # pylint: disa
 def unordered(dataset: tf.data.Dataset) -> list[str]:
     """The steps of ``dataset``'s pipeline (:func:`_pipeline`) that may yield their elements
     in another order in every process: each parallel ``map``, ``interleave`` and ``batch``
-    given ``deterministic=False``, or left to the default where the pipeline's
-    ``tf.data.Options.deterministic`` is False; as the names of the calls ("interleave").
-    An interleave built before tf_poseidon was imported is not seen."""
-    steps = {map_op._ParallelMapDataset: "map",  # pylint: disable=protected-access
-             interleave_op._ParallelInterleaveDataset: "interleave",
-             batch_op._ParallelBatchDataset: "batch"}
+    given ``deterministic=False`` (``tf.data.experimental.parallel_interleave``:
+    ``sloppy=True``), or left to the default where the pipeline's
+    ``tf.data.Options.deterministic`` is False; as the names of the calls
+    ("Dataset.interleave"). An interleave built before tf_poseidon was imported is not seen."""
+    # pylint: disable=protected-access
+    steps = {map_op._ParallelMapDataset: "Dataset.map",
+             interleave_op._ParallelInterleaveDataset: "Dataset.interleave",
+             batch_op._ParallelBatchDataset: "Dataset.batch",
+             readers.ParallelInterleaveDataset: "tf.data.experimental.parallel_interleave"}
     unordered_default = dataset.options().deterministic is False
     return [steps[type(node)] for node in _pipeline(dataset) if type(node) in steps and (
         getattr(node, "_deterministic", None) == "false"
@@ -426,12 +429,12 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             "(dataset.shuffle(n, seed=...)), or call keras.utils.set_random_seed(...) with the "
             "same seed on every rank before building the pipeline.")
     if description.get("unordered"):
-        steps = ", ".join(f"Dataset.{step}" for step in description["unordered"])
         raise ValueError(
-            f"tf_poseidon: the input pipeline yields its elements in no fixed order ({steps} "
-            "with deterministic=False, or tf.data.Options.deterministic = False): every rank "
-            "would read them in an order of its own and take its slice of a different global "
-            "batch at every step. Leave deterministic to its default (True) in this pipeline.")
+            "tf_poseidon: the input pipeline yields its elements in no fixed order "
+            f"({', '.join(description['unordered'])}: deterministic=False, sloppy=True or "
+            "tf.data.Options.deterministic = False): every rank would read them in an order of "
+            "its own and take its slice of a different global batch at every step. Leave "
+            "deterministic to its default (True), and sloppy to False, in this pipeline.")
     located = description | {"host": socket.gethostname()}
     everyone = gather(located)
     shared = shared_cache_files([(d.get("host"), d.get("cache_files", [])) for d in everyone])
