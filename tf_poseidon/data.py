@@ -13,17 +13,18 @@ Like TF's ``AutoShardPolicy.DATA``, every rank reads the whole input pipeline, s
 must be given the same one: :func:`check_same_input` refuses a pipeline whose shuffles have no
 seed or seeds that differ between the ranks, one that keeps another part of its sources on each
 rank (``Dataset.shard(P, rank)``, as a Horovod script shards its data: every rank would take its
-slice of a batch of its own shard), and one that starts from other numbers; and, with
-:func:`check_cache_files` for ``distribute_datasets_from_function`` too, ranks of one host that
-would write one ``Dataset.cache`` file (TensorFlow refuses a second writer). Keras' own shuffling
-is given seeds every rank agrees on: of arrays' samples (``fit(x, y, shuffle=True)``) through
-:func:`agreed_permutation_seeds` and :func:`tracing_seed`, of a ``keras.utils.PyDataset``'s
-batches (``fit(py_dataset)``, shuffled by default) through :class:`AgreedBatchOrder`; both
-shuffle as one process would with rank 0's seed.
+slice of a batch of its own shard), and one that starts from other numbers. Beside it
+:func:`check_cache_files` refuses ranks of one host that would write one ``Dataset.cache`` file
+(TensorFlow refuses a second writer). Keras' own shuffling is given seeds every rank agrees on:
+of arrays' samples (``fit(x, y, shuffle=True)``) through :func:`agreed_permutation_seeds` and
+:func:`tracing_seed`, of a ``keras.utils.PyDataset``'s batches (``fit(py_dataset)``, shuffled by
+default) through :class:`AgreedBatchOrder`; both shuffle as one process would with rank 0's
+seed.
 
-:func:`check_same_input` runs where ``fit``, ``evaluate`` and ``predict`` start (with what Keras'
-data adapter knows of their input, keras_integration.py) and in
-``experimental_distribute_dataset`` (custom loops; strategy.py).
+Both checks run where ``fit``, ``evaluate`` and ``predict`` start (with what Keras' data adapter
+knows of their input, keras_integration.py) and in ``experimental_distribute_dataset`` (custom
+loops; strategy.py: ``check_input``); :func:`check_cache_files` alone in
+``distribute_datasets_from_function``, whose datasets are each rank's own.
 
 ``distribute_datasets_from_function(fn)`` gives each rank a dataset of its own, whose length
 may differ between ranks. :func:`end_together` cuts every rank's dataset to the shortest one's
@@ -332,11 +333,12 @@ def shared_cache_files(located: list[tuple[str, list[str]]]) -> str | None:
             "or cache in memory with dataset.cache().")
 
 
-def check_cache_files(dataset: tf.data.Dataset, gather: Callable[[object], list]) -> None:
-    """Raises ValueError on every rank where ranks on one host would write one cache file for
-    their ``dataset`` (:func:`shared_cache_files`), each rank's own. ``gather(x) -> every
-    rank's x`` is a collective, called once (twice when refusing)."""
-    located = (socket.gethostname(), cache_files(dataset))
+def check_cache_files(files: list[str], gather: Callable[[object], list]) -> None:
+    """Raises ValueError on every rank where ranks on one host would write one cache file
+    (:func:`shared_cache_files`). ``files``: this rank's :func:`cache_files` of its input, which
+    may differ between the ranks. ``gather(x) -> every rank's x`` is a collective, called once
+    (twice when refusing)."""
+    located = (socket.gethostname(), files)
     shared = shared_cache_files(gather(located))
     if shared:
         _refuse_on_every_rank(shared, lambda: gather(located))
@@ -347,13 +349,11 @@ def describe_dataset(dataset: tf.data.Dataset) -> dict:
     that was given the same pipeline: its number of batches (None where unknown or infinite),
     its shuffles' seeds (:func:`shuffle_seeds`), the parts of its sources it keeps
     (:func:`selections`) and a digest of the numbers it starts from (:func:`sources_digest`);
-    in the form of :func:`describe_input`, batch sizes unknown. Besides, the files it will
-    write its cache to (:func:`cache_files`), which may differ between the ranks."""
+    in the form of :func:`describe_input`, batch sizes unknown."""
     length = int(dataset.cardinality())
     return {"batches": length if length >= 0 else None, "batch_size": None, "last_batch": None,
             "shuffles": shuffle_seeds(dataset), "selections": selections(dataset),
-            "values": sources_digest(dataset), "unordered": unordered(dataset),
-            "cache_files": cache_files(dataset)}
+            "values": sources_digest(dataset), "unordered": unordered(dataset)}
 
 
 def describe_input(adapter) -> dict:
@@ -371,8 +371,7 @@ def describe_input(adapter) -> dict:
     # (distribute_datasets_from_function): only a global pipeline's must agree.
     dataset = getattr(adapter, "_dataset", None)
     described = (describe_dataset(dataset) if isinstance(dataset, tf.data.Dataset)
-                 else {"shuffles": [], "selections": [], "values": None, "unordered": [],
-                       "cache_files": []})
+                 else {"shuffles": [], "selections": [], "values": None, "unordered": []})
     if isinstance(adapter, array_data_adapter.ArrayDataAdapter):
         described["values"] = arrays_digest(adapter._inputs, adapter._num_samples)
     return described | {"batches": known("num_batches"), "batch_size": known("batch_size"),
@@ -416,9 +415,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
     cause, and data in different orders would silently train each step on slices of different
     global batches. An unseeded shuffle, and a pipeline whose order is not deterministic
     (:func:`unordered`), are refused before the collective, alike on every rank (every rank
-    builds the same pipeline). So are, after it, ranks on one host that would write
-    one cache file (:func:`shared_cache_files`): ``description["cache_files"]`` is the one
-    entry that may differ between the ranks.
+    builds the same pipeline).
     """
     if None in description["shuffles"]:
         raise ValueError(
@@ -435,13 +432,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
             "tf.data.Options.deterministic = False): every rank would read them in an order of "
             "its own and take its slice of a different global batch at every step. Leave "
             "deterministic to its default (True), and sloppy to False, in this pipeline.")
-    located = description | {"host": socket.gethostname()}
-    everyone = gather(located)
-    shared = shared_cache_files([(d.get("host"), d.get("cache_files", [])) for d in everyone])
-    if shared:
-        _refuse_on_every_rank(shared, lambda: gather(located))
-    everyone = [{key: value for key, value in d.items() if key not in ("host", "cache_files")}
-                for d in everyone]
+    everyone = gather(description)
     if all(d == everyone[0] for d in everyone):
         return
     shuffles_differ = any(d["shuffles"] != everyone[0]["shuffles"] for d in everyone)
@@ -484,7 +475,7 @@ def check_same_input(description: dict, gather: Callable[[dict], list]) -> None:
         "and give each rank its share of every batch: pass the same arrays or dataset to every "
         f"rank{parts}, shuffled with the same seed{seeds}; to give each rank data of its own, "
         "use strategy.distribute_datasets_from_function.",
-        lambda: gather(located))
+        lambda: gather(description))
 
 
 def global_batch_tensors(batch):

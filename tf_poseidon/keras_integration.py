@@ -871,7 +871,8 @@ def _epoch_iterator(original):
         self._distribute_strategy = distribute_strategy
         adapter = self.data_adapter
         dataset = adapter.get_tf_dataset()
-        extended.check_same_input(data_lib.describe_input(adapter))
+        extended.check_input(data_lib.describe_input(adapter), data_lib.cache_files(dataset)
+                             if isinstance(dataset, tf.data.Dataset) else [])
         if (isinstance(adapter, py_dataset_adapter.PyDatasetAdapter)
                 and adapter.py_dataset.num_batches is not None):
             _agree_on_batch_order(adapter, extended.engine)

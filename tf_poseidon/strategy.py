@@ -439,13 +439,12 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
 
     def _experimental_distribute_dataset(self, dataset, options):
         """This rank's slices of ``dataset``'s global batches (:meth:`slices_of_global_batches`),
-        once the ranks have checked that they were given the same pipeline
-        (data.check_same_input of data.describe_dataset: collective and blocking where there
-        are several ranks, as every rank's call of this method is; ValueError on every rank
-        where they were not)."""
+        once the ranks have checked their input (:meth:`check_input`: collective and blocking
+        where there are several ranks, as every rank's call of this method is; ValueError on
+        every rank where it is refused)."""
         del options
         if self._distributed:
-            self.check_same_input(data_lib.describe_dataset(dataset))
+            self.check_input(data_lib.describe_dataset(dataset), data_lib.cache_files(dataset))
         return self.slices_of_global_batches(dataset)
 
     def slices_of_global_batches(self, dataset: tf.data.Dataset) -> data_lib.RankLocalDataset:
@@ -455,10 +454,12 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         return data_lib.RankLocalDataset(data_lib.distribute_global_batches(
             dataset, self._world.rank, self._world.size))
 
-    def check_same_input(self, description: dict) -> None:
-        """data.check_same_input of this rank's ``description`` against every rank's (one
-        all-gather on the engine: collective and blocking)."""
+    def check_input(self, description: dict, cache_files: list[str]) -> None:
+        """data.check_same_input of this rank's ``description`` of its global input against
+        every rank's, then data.check_cache_files of the files its pipeline will write its
+        cache to (two all-gathers on the engine: collective and blocking)."""
         data_lib.check_same_input(description, self._gather_input)
+        data_lib.check_cache_files(cache_files, self._gather_input)
 
     def _gather_input(self, value) -> list:
         """Every rank's ``value`` (a control-plane all-gather labelled "input data": collective
@@ -478,7 +479,7 @@ class PoseidonExtended(one_device_strategy.OneDeviceExtended):
         dataset = dataset_fn(context)
         if not self._distributed:
             return data_lib.RankLocalDataset(dataset)
-        data_lib.check_cache_files(dataset, self._gather_input)
+        data_lib.check_cache_files(data_lib.cache_files(dataset), self._gather_input)
         engine = self.engine
 
         def shortest(length: int) -> int:
