@@ -76,6 +76,10 @@ original unchanged:
     optimizer does not know the model, runs once per optimizer (a GAN's step has two) and, with
     ``gradient_accumulation_steps``, updates only every k-th step, while the state changes in
     every step's forward pass;
+  - Keras' loss tracker records a rank without rows in the step as nothing: a loss a layer
+    adds as a mean over the rows (``add_loss``) is NaN for no rows, which its Mean would
+    record as NaN even at weight 0 (the gradient reduction weighs it with
+    ``multiply_no_nan``);
   - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
     custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
     from its state combined over ranks too, as ``get_metrics_result`` does (the two never
@@ -476,23 +480,41 @@ def _compile_loss_call(original):
     return wrapper
 
 
-@contextlib.contextmanager
 def _weighted_updates(metrics, weight: tf.Tensor | None):
     """Within it, ``update_state`` of each of ``metrics`` called without a sample weight uses
-    ``weight``, and with ``weight`` None records nothing (instance attributes shadowing the
-    method, removed on exit)."""
-    def weighted(metric):
-        update = type(metric).update_state
+    ``weight``, and with ``weight`` None records nothing."""
+    def update_state(update, values, sample_weight):
+        if weight is None:
+            return None
+        return update(values, sample_weight=weight if sample_weight is None else sample_weight)
+    return _updates_through(metrics, update_state)
 
+
+def _loss_of_rows_only(model):
+    """Within it, Keras' loss tracker (fed the step's loss weighted by the rank's rows) records
+    a loss at weight 0 as 0, so that a rank without rows adds nothing to it, NaN or not."""
+    def update_state(update, values, sample_weight):
+        if sample_weight is not None:
+            values = tf.math.multiply_no_nan(
+                values, tf.cast(tf.not_equal(sample_weight, 0), values.dtype))
+        return update(values, sample_weight=sample_weight)
+    tracker = getattr(model, "_loss_tracker", None)
+    return _updates_through([tracker] if tracker is not None else [], update_state)
+
+
+@contextlib.contextmanager
+def _updates_through(metrics, through):
+    """Within it, each of ``metrics``' ``update_state(values, sample_weight=None)`` calls
+    ``through(update, values, sample_weight)``, ``update`` being the metric's own (instance
+    attributes shadowing the method, removed on exit)."""
+    def shadowing(metric):
         def update_state(values, sample_weight=None):
-            if weight is None:
-                return None
-            return update(metric, values,
-                          sample_weight=weight if sample_weight is None else sample_weight)
+            return through(functools.partial(type(metric).update_state, metric), values,
+                           sample_weight)
         return update_state
 
     for metric in metrics:
-        metric.update_state = weighted(metric)
+        metric.update_state = shadowing(metric)
     try:
         yield
     finally:
@@ -809,7 +831,7 @@ def _make_function(original):
 
         def step(data):
             rows = data_lib.batch_size_of(data)
-            with _global_metric_results(self, extended), \
+            with _global_metric_results(self, extended), _loss_of_rows_only(self), \
                     tf.distribute.get_replica_context().drawing_by_rows(
                         _draw_window(self, extended, rows)), \
                     (tf.xla.experimental.jit_scope() if compile_step

@@ -9,7 +9,8 @@ Keras fit shuffles in (by default, as here) on every rank, and has its own strat
 (``tp.PoseidonStrategy(**JSON)``). A configuration is MODEL-OPTIMIZER (``mlp-sgd``: Keras
 fit), or MODEL-OPTIMIZER@loop / @function: a custom training loop over
 ``experimental_distribute_dataset`` / ``distribute_datasets_from_function``. MODEL: mlp, cnn,
-or dropout (the MLP with Dropout and GaussianNoise). Writes, on every
+dropout (the MLP with Dropout and GaussianNoise) or penalties (the MLP with losses added by its
+layers: an activity regularizer and an ``add_loss`` of a mean over the rows). Writes, on every
 rank, OUT/<config>_rank<r>.npz with the final weights, the fit history and the predictions, and
 OUT/stats_rank<r>.json (strategy.stats()["mode"]).
 """
@@ -40,8 +41,21 @@ def data(n: int, image: bool):
     return x, y
 
 
+class RowMeanPenalty(keras.layers.Layer):
+    """The identity, adding a loss that is a mean over the batch's rows (as a VAE's KL term)."""
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.sum(keras.ops.square(x), axis=-1)))
+        return x
+
+
 def model_for(kind: str) -> keras.Model:
-    if kind == "mlp":
+    if kind == "penalties":
+        penalized = keras.layers.Dense(32, activation="tanh",
+                                       activity_regularizer=keras.regularizers.L2(0.01))
+        layers = [keras.Input((12,)), penalized, RowMeanPenalty(),
+                  keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    elif kind == "mlp":
         layers = [keras.Input((12,)), keras.layers.Dense(32, activation="tanh"),
                   keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
     elif kind == "dropout":  # the MLP with random layers
