@@ -15,13 +15,14 @@ reorder a pipeline's elements (data.unordered); the multi-rank form is test_shuf
 
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.trainers.data_adapters import array_data_adapter, tf_dataset_adapter
 from tensorflow.python.eager import context as tf_context
 
-from tf_poseidon import data
+from tf_poseidon import data, keras_integration
 
 IMAGES = np.arange(5 * 4, dtype="float32").reshape(5, 4)
 
@@ -244,3 +245,39 @@ def test_steps_that_may_reorder_the_elements_are_named_and_refused():
     with pytest.raises(ValueError, match=r"no fixed order \(Dataset\.batch, Dataset\.interleave, "
                        r"Dataset\.map: deterministic=False, sloppy=True or tf\.data\.Options"):
         data.check_same_input(pipeline_input(ordered.with_options(options)), lambda d: [d, d])
+
+
+def test_a_rank_without_rows_adds_nothing_to_the_models_means():
+    # keras_integration._means_of_rows_only, entered by the steps fit and evaluate run: a loss
+    # that is a mean over no rows (a layer's add_loss, a custom step's own) is NaN, which a
+    # Mean records as NaN even at weight 0. The multi-rank form: test_sync_exactness's no_rows.
+    class Tracking(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+            self.kl = keras.metrics.Mean(name="kl")
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Tracking()
+    model.compile(loss="mse", metrics=["mae"])
+    loss, kl = model._loss_tracker, model.kl
+    assert {loss, kl} <= set(model.metrics)
+    with keras_integration._means_of_rows_only(model, tf.constant(0, tf.int64)):
+        loss.update_state(float("nan"), sample_weight=0)
+        kl.update_state(float("nan"))
+    assert [float(m.count) for m in (loss, kl)] == [0.0, 0.0]
+    assert [float(m.result()) for m in (loss, kl)] == [0.0, 0.0]
+    with keras_integration._means_of_rows_only(model, tf.constant(3, tf.int64)):
+        loss.update_state(2.0, sample_weight=3)
+        kl.update_state(5.0)
+    assert [float(m.result()) for m in (loss, kl)] == [2.0, 5.0]
+    # Nested in it, as a multi-output model's per-output loss metrics are (CompileLoss.call).
+    with keras_integration._means_of_rows_only(model, tf.constant(0, tf.int64)):
+        with keras_integration._weighted_updates([kl, kl], tf.constant(2.0)):
+            kl.update_state(float("nan"))
+    assert float(kl.result()) == 5.0 and "update_state" not in vars(kl)
+    loss.update_state(float("nan"), sample_weight=0)  # what Keras' own update records
+    assert np.isnan(float(loss.result()))
+

@@ -76,10 +76,10 @@ original unchanged:
     optimizer does not know the model, runs once per optimizer (a GAN's step has two) and, with
     ``gradient_accumulation_steps``, updates only every k-th step, while the state changes in
     every step's forward pass;
-  - Keras' loss tracker records a rank without rows in the step as nothing: a loss a layer
-    adds as a mean over the rows (``add_loss``) is NaN for no rows, which its Mean would
-    record as NaN even at weight 0 (the gradient reduction weighs it with
-    ``multiply_no_nan``);
+  - on a rank without rows in the step, the model's Mean and Sum metrics (Keras' loss
+    tracker, a custom step's trackers) record nothing: a loss that is a mean over the rows (a
+    layer's ``add_loss``, a custom step's ``ops.mean``) is NaN for no rows, which a Mean
+    would record as NaN even at weight 0 (the gradients of no rows are zeros);
   - a metric of ``model.metrics`` whose ``result()`` the step calls itself (the Keras guide's
     custom ``train_step`` returns ``{m.name: m.result() for m in self.metrics}``) computes it
     from its state combined over ranks too, as ``get_metrics_result`` does (the two never
@@ -189,6 +189,7 @@ from keras.src.layers.normalization import batch_normalization as keras_batch_no
 from keras.src.layers.rnn import dropout_rnn_cell as keras_dropout_rnn_cell
 from keras.src.layers.rnn import rnn as keras_rnn
 from keras.src.losses import loss as keras_loss
+from keras.src.metrics import reduction_metrics as keras_reduction_metrics
 from keras.src.models import model as keras_model
 from keras.src.optimizers import base_optimizer as keras_base_optimizer
 from keras.src.optimizers import loss_scale_optimizer as keras_loss_scale_optimizer
@@ -490,36 +491,44 @@ def _weighted_updates(metrics, weight: tf.Tensor | None):
     return _updates_through(metrics, update_state)
 
 
-def _loss_of_rows_only(model):
-    """Within it, Keras' loss tracker (fed the step's loss weighted by the rank's rows) records
-    a loss at weight 0 as 0, so that a rank without rows adds nothing to it, NaN or not."""
+def _means_of_rows_only(model, rows: tf.Tensor | None):
+    """Within it, where ``rows`` (the rank's rows in the step) is 0, the Mean and Sum metrics
+    of ``model`` (Keras' loss tracker and ``model.metrics``, not the metrics of a
+    ``(y_true, y_pred)`` form) record nothing, whatever they are fed (NaN too)."""
+    plain = (keras_reduction_metrics.Mean.update_state, keras_reduction_metrics.Sum.update_state)
+    metrics = [] if rows is None else [
+        m for m in dict.fromkeys([getattr(model, "_loss_tracker", None), *model.metrics])
+        if getattr(type(m), "update_state", None) in plain]
+
     def update_state(update, values, sample_weight):
-        if sample_weight is not None:
-            values = tf.math.multiply_no_nan(
-                values, tf.cast(tf.not_equal(sample_weight, 0), values.dtype))
-        return update(values, sample_weight=sample_weight)
-    tracker = getattr(model, "_loss_tracker", None)
-    return _updates_through([tracker] if tracker is not None else [], update_state)
+        values = tf.convert_to_tensor(values)
+        has_rows = tf.cast(rows > 0, values.dtype)
+        return update(tf.math.multiply_no_nan(values, has_rows), sample_weight=has_rows if
+                      sample_weight is None else tf.cast(sample_weight, values.dtype) * has_rows)
+    return _updates_through(metrics, update_state)
 
 
 @contextlib.contextmanager
 def _updates_through(metrics, through):
     """Within it, each of ``metrics``' ``update_state(values, sample_weight=None)`` calls
-    ``through(update, values, sample_weight)``, ``update`` being the metric's own (instance
-    attributes shadowing the method, removed on exit)."""
-    def shadowing(metric):
+    ``through(update, values, sample_weight)``, ``update`` being the metric's update as it was
+    on entry (instance attributes shadowing the method, restored on exit: these nest)."""
+    def shadowing(update):
         def update_state(values, sample_weight=None):
-            return through(functools.partial(type(metric).update_state, metric), values,
-                           sample_weight)
+            return through(update, values, sample_weight)
         return update_state
 
+    outer = [metric.__dict__.get("update_state") for metric in metrics]
     for metric in metrics:
-        metric.update_state = shadowing(metric)
+        metric.update_state = shadowing(metric.update_state)
     try:
         yield
     finally:
-        for metric in metrics:
-            del metric.update_state
+        for metric, update in reversed(list(zip(metrics, outer))):
+            if update is None:
+                del metric.update_state
+            else:
+                metric.update_state = update
 
 
 def _batchnorm_moments(original):
@@ -831,7 +840,7 @@ def _make_function(original):
 
         def step(data):
             rows = data_lib.batch_size_of(data)
-            with _global_metric_results(self, extended), _loss_of_rows_only(self), \
+            with _global_metric_results(self, extended), _means_of_rows_only(self, rows), \
                     tf.distribute.get_replica_context().drawing_by_rows(
                         _draw_window(self, extended, rows)), \
                     (tf.xla.experimental.jit_scope() if compile_step
