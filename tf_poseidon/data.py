@@ -247,10 +247,10 @@ def unordered(dataset: tf.data.Dataset) -> list[str]:
              interleave_op._ParallelInterleaveDataset: "Dataset.interleave",
              batch_op._ParallelBatchDataset: "Dataset.batch",
              readers.ParallelInterleaveDataset: "tf.data.experimental.parallel_interleave"}
-    unordered_default = dataset.options().deterministic is False
-    return [steps[type(node)] for node in _pipeline(dataset) if type(node) in steps and (
-        getattr(node, "_deterministic", None) == "false"
-        or getattr(node, "_deterministic", None) == "default" and unordered_default)]
+    unordered_settings = {"false", "default"} if dataset.options().deterministic is False \
+        else {"false"}
+    return [steps[type(node)] for node in _pipeline(dataset) if type(node) in steps
+            and getattr(node, "_deterministic", None) in unordered_settings]
 
 
 def selections(dataset: tf.data.Dataset) -> list[str]:
